@@ -1,0 +1,83 @@
+"""The one place engines are made: URL normalisation, drivers, SQLite pragmas.
+
+Users write plain URLs (`sqlite:///./rolltap.db`, `postgresql://u@h/db`); the async
+side gets aiosqlite/asyncpg and the sync side (alembic, scripts) sqlite3/psycopg.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.engine import URL, make_url
+from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker, create_async_engine
+from sqlalchemy.ext.asyncio import AsyncSession as AsyncSession
+from sqlalchemy.pool import NullPool
+
+from shared.settings import DbSettings
+
+__all__ = ["async_url", "create_async_db", "create_sync_db", "is_sqlite", "session_factory", "sync_url"]
+
+_ASYNC_DRIVERS = {"sqlite": "sqlite+aiosqlite", "postgresql": "postgresql+asyncpg"}
+_SYNC_DRIVERS = {"sqlite": "sqlite", "postgresql": "postgresql+psycopg"}
+
+
+def _backend(url: URL) -> str:
+    backend = url.get_backend_name()
+    if backend in ("postgres", "postgresql"):
+        return "postgresql"
+    if backend == "sqlite":
+        return "sqlite"
+    raise ValueError(f"unsupported database {url.render_as_string(hide_password=True)!r}: use sqlite or postgresql")
+
+
+def async_url(url: str) -> URL:
+    parsed = make_url(url)
+    return parsed.set(drivername=_ASYNC_DRIVERS[_backend(parsed)])
+
+
+def sync_url(url: str) -> URL:
+    parsed = make_url(url)
+    return parsed.set(drivername=_SYNC_DRIVERS[_backend(parsed)])
+
+
+def is_sqlite(url: str) -> bool:
+    return _backend(make_url(url)) == "sqlite"
+
+
+def _sqlite_pragmas(settings: DbSettings) -> Any:
+    def on_connect(dbapi_conn: Any, _record: Any) -> None:
+        cursor = dbapi_conn.cursor()
+        # WAL lets readers (GET attempt, the trainer) run beside the one writer.
+        cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.execute(f"PRAGMA busy_timeout={int(settings.sqlite_busy_timeout_ms)}")
+        cursor.execute(f"PRAGMA synchronous={settings.sqlite_synchronous}")
+        cursor.execute("PRAGMA foreign_keys=ON")
+        cursor.close()
+
+    return on_connect
+
+
+def create_async_db(settings: DbSettings, *, pool_size: int | None = None) -> AsyncEngine:
+    """An async engine for `settings.url`. `pool_size` overrides the PostgreSQL pool size."""
+    url = async_url(settings.url)
+    kwargs: dict[str, Any] = {}
+    if url.get_backend_name() == "postgresql":
+        kwargs.update(pool_size=pool_size or settings.pool_size, pool_pre_ping=True)
+    engine = create_async_engine(url, **kwargs)
+    if url.get_backend_name() == "sqlite":
+        event.listen(engine.sync_engine, "connect", _sqlite_pragmas(settings))
+    return engine
+
+
+def create_sync_db(settings: DbSettings) -> Engine:
+    """A sync engine (migrations, CLI reports). Not pooled: these are short-lived."""
+    url = sync_url(settings.url)
+    engine = create_engine(url, poolclass=NullPool)
+    if url.get_backend_name() == "sqlite":
+        event.listen(engine, "connect", _sqlite_pragmas(settings))
+    return engine
+
+
+def session_factory(engine: AsyncEngine) -> async_sessionmaker[AsyncSession]:
+    return async_sessionmaker(engine, expire_on_commit=False)

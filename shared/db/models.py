@@ -1,0 +1,210 @@
+"""The typed SQLAlchemy schema: what Rolltap stores, on SQLite and PostgreSQL alike.
+
+The schema changes only through alembic migrations (`shared/db/migrations`); a test
+checks that the migrations produce exactly these models on both backends.
+`docs/schema.md` documents every table.
+
+Calls and attempts are keyed by the caller's string ids (`rollout_id`, `attempt_id`)
+rather than surrogate keys, so the proxy's writer never needs a lookup round trip
+before inserting a batch.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    DateTime,
+    Float,
+    ForeignKey,
+    ForeignKeyConstraint,
+    Index,
+    Integer,
+    String,
+    Text,
+    UniqueConstraint,
+    false,
+    func,
+)
+from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+__all__ = [
+    "Attempt",
+    "Base",
+    "Call",
+    "PolicyVersion",
+    "Replica",
+    "Reward",
+    "Rollout",
+    "TrainingStep",
+    "TrainingStepAttempt",
+]
+
+# JSONB on PostgreSQL (indexable, compact); JSON text elsewhere.
+Json = JSON().with_variant(JSONB(), "postgresql")
+# SQLite only auto-increments INTEGER PRIMARY KEY; PostgreSQL gets a 64-bit key.
+BigId = BigInteger().with_variant(Integer(), "sqlite")
+ID_LEN = 128
+
+
+class Base(DeclarativeBase):
+    type_annotation_map = {dict[str, Any]: Json, list[Any]: Json}
+
+
+def _now() -> Any:
+    return func.now()
+
+
+class Rollout(Base):
+    """A task instance. Registration is optional; the first call creates the row."""
+
+    __tablename__ = "rollouts"
+
+    rollout_id: Mapped[str] = mapped_column(String(ID_LEN), primary_key=True)
+    group_id: Mapped[str | None] = mapped_column(String(ID_LEN), index=True)
+    task: Mapped[Any | None] = mapped_column(Json)
+    meta: Mapped[dict[str, Any] | None] = mapped_column("metadata", Json)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=_now())
+
+
+class Attempt(Base):
+    """One try at a rollout; its calls, rewards and status. Attempts of a group are GRPO samples."""
+
+    __tablename__ = "attempts"
+    __table_args__ = (UniqueConstraint("rollout_id", "attempt_id", name="uq_attempts_rollout_attempt"),)
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    rollout_id: Mapped[str] = mapped_column(
+        String(ID_LEN), ForeignKey("rollouts.rollout_id", name="fk_attempts_rollout"), nullable=False
+    )
+    attempt_id: Mapped[str] = mapped_column(String(ID_LEN), nullable=False)
+    # running -> succeeded | failed | cancelled (set by `finish`)
+    status: Mapped[str] = mapped_column(String(16), nullable=False, server_default="running", index=True)
+    # Calls recorded so far; the writer takes sequence numbers from it under a row lock.
+    num_calls: Mapped[int] = mapped_column(Integer, nullable=False, server_default="0")
+    policy_version: Mapped[int | None] = mapped_column(Integer)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=_now())
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), index=True)
+
+
+class Call(Base):
+    """One recorded request/response, exactly once whatever its end."""
+
+    __tablename__ = "calls"
+    __table_args__ = (
+        ForeignKeyConstraint(
+            ["rollout_id", "attempt_id"],
+            ["attempts.rollout_id", "attempts.attempt_id"],
+            name="fk_calls_attempt",
+        ),
+        UniqueConstraint("rollout_id", "attempt_id", "seq", name="uq_calls_attempt_seq"),
+        Index("ix_calls_started_at", "started_at"),
+    )
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    call_id: Mapped[str] = mapped_column(String(40), nullable=False, unique=True)
+    # NULL for untracked traffic on plain /v1/... routes.
+    rollout_id: Mapped[str | None] = mapped_column(String(ID_LEN))
+    attempt_id: Mapped[str | None] = mapped_column(String(ID_LEN))
+    seq: Mapped[int | None] = mapped_column(Integer)
+    route: Mapped[str] = mapped_column(String(64), nullable=False)
+    is_streaming: Mapped[bool] = mapped_column(Boolean, nullable=False)
+    # ok | upstream_error | failed | client_disconnected | invalid_request
+    status: Mapped[str] = mapped_column(String(24), nullable=False)
+    http_status: Mapped[int | None] = mapped_column(Integer)
+    error: Mapped[dict[str, Any] | None] = mapped_column(Json)
+    request: Mapped[Any | None] = mapped_column(Json)
+    response: Mapped[Any | None] = mapped_column(Json)
+    response_truncated: Mapped[bool] = mapped_column(Boolean, nullable=False, server_default=false())
+    prompt_token_ids: Mapped[list[Any] | None] = mapped_column(Json)
+    completion_token_ids: Mapped[list[Any] | None] = mapped_column(Json)
+    completion_logprobs: Mapped[list[Any] | None] = mapped_column(Json)
+    finish_reason: Mapped[str | None] = mapped_column(String(32))
+    usage: Mapped[dict[str, Any] | None] = mapped_column(Json)
+    replica: Mapped[str | None] = mapped_column(String(512))
+    policy_version: Mapped[int | None] = mapped_column(Integer)
+    requested_model: Mapped[str | None] = mapped_column(String(256))
+    served_model: Mapped[str | None] = mapped_column(String(256))
+    started_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False)
+    first_byte_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    ended_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=_now())
+
+
+class Reward(Base):
+    """A reward posted for an attempt (several allowed), optionally aimed at one call."""
+
+    __tablename__ = "rewards"
+    __table_args__ = (
+        ForeignKeyConstraint(
+            ["rollout_id", "attempt_id"],
+            ["attempts.rollout_id", "attempts.attempt_id"],
+            name="fk_rewards_attempt",
+        ),
+        Index("ix_rewards_attempt", "rollout_id", "attempt_id"),
+    )
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    rollout_id: Mapped[str] = mapped_column(String(ID_LEN), nullable=False)
+    attempt_id: Mapped[str] = mapped_column(String(ID_LEN), nullable=False)
+    value: Mapped[float] = mapped_column(Float, nullable=False)
+    name: Mapped[str | None] = mapped_column(String(128))
+    call_id: Mapped[str | None] = mapped_column(String(40))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=_now())
+
+
+class PolicyVersion(Base):
+    """A policy the replicas serve. Version 0 is the base model."""
+
+    __tablename__ = "policy_versions"
+
+    version: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    served_name: Mapped[str] = mapped_column(String(256), nullable=False)
+    base_model: Mapped[str | None] = mapped_column(String(256))
+    kind: Mapped[str] = mapped_column(String(16), nullable=False)  # base | lora | full
+    path: Mapped[str | None] = mapped_column(Text)
+    is_active: Mapped[bool] = mapped_column(Boolean, nullable=False, server_default=false())
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=_now())
+
+
+class Replica(Base):
+    """A vLLM replica the proxy knows, with the weight-update mode it was started for."""
+
+    __tablename__ = "replicas"
+
+    url: Mapped[str] = mapped_column(String(512), primary_key=True)
+    weight_mode: Mapped[str] = mapped_column(String(16), nullable=False, server_default="none")
+    state: Mapped[str] = mapped_column(String(16), nullable=False, server_default="active")
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=_now())
+    updated_at: Mapped[datetime] = mapped_column(
+        DateTime(timezone=True), server_default=_now(), onupdate=_now()
+    )
+
+
+class TrainingStep(Base):
+    """One trainer update; it commits together with the attempts it consumed."""
+
+    __tablename__ = "training_steps"
+
+    step: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    policy_version: Mapped[int | None] = mapped_column(Integer)
+    metrics: Mapped[dict[str, Any] | None] = mapped_column(Json)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=_now())
+
+
+class TrainingStepAttempt(Base):
+    """Which attempts a step consumed. The primary key on the attempt makes consumption at-most-once."""
+
+    __tablename__ = "training_step_attempts"
+
+    attempt_pk: Mapped[int] = mapped_column(
+        BigId, ForeignKey("attempts.id", name="fk_tsa_attempt"), primary_key=True
+    )
+    step: Mapped[int] = mapped_column(
+        Integer, ForeignKey("training_steps.step", name="fk_tsa_step"), nullable=False, index=True
+    )
