@@ -59,8 +59,11 @@ class RecorderSettings(BaseModel):
         default=4096, ge=1, description="Records waiting for the writer; when full, requests wait (back-pressure)."
     )
     batch_max: int = Field(default=256, ge=1, description="Most records written in one transaction.")
-    flush_interval_ms: float = Field(
-        default=20.0, ge=0, description="Longest a record waits for companions before its batch is written."
+    linger_ms: float = Field(
+        default=0.0,
+        ge=0,
+        description="Extra wait for companions before a small batch is written. Under load batches form "
+        "on their own while the previous one is written, so 0 is usually best.",
     )
     spool_dir: Path = Field(
         default=Path("./.rolltap/spool"),
@@ -140,6 +143,57 @@ class TrainerSettings(BaseModel):
     group_size: int = Field(default=8, ge=1, description="Attempts per GRPO group before it is used.")
     max_staleness: int = Field(
         default=1, ge=0, description="Oldest policy version (behind the current one) whose attempts are used."
+    )
+    group_timeout_s: float = Field(
+        default=600.0,
+        gt=0,
+        description="A group short of `group_size` is used anyway once its oldest member finished this long ago, "
+        "if it has at least `min_group_size` members; smaller groups keep waiting until they go stale.",
+    )
+    min_group_size: int = Field(
+        default=2,
+        ge=1,
+        description="Fewest members a timed-out group needs to be used (GRPO needs two to compare).",
+    )
+    include_failed: bool = Field(
+        default=False,
+        description="Also train on attempts finished as `failed` that carry a reward. Off: a failed attempt is "
+        "usually a broken harness, not a wrong answer (a wrong answer is `succeeded` with a low reward).",
+    )
+    max_prompt_len: int = Field(
+        default=4096, ge=1, description="Tokens; a call whose prompt is longer is dropped (`prompt_too_long`)."
+    )
+    max_response_len: int = Field(
+        default=8192,
+        ge=1,
+        description="Tokens in one triplet's response (generated tokens plus the masked turns between them). "
+        "A call that would overflow it starts a new triplet; a single completion longer than this is dropped.",
+    )
+    drop_truncated: bool = Field(
+        default=False,
+        description="Drop calls whose completion was cut by the length limit (`finish_reason == \"length\"`).",
+    )
+    credit: Literal["identical", "last_only", "discounted", "per_call"] = Field(
+        default="identical",
+        description="How an attempt's reward is spread over its triplets: the final reward on every triplet, "
+        "on the last one only, discounted by `gamma` per triplet from the end, or per-call rewards.",
+    )
+    gamma: float = Field(default=0.9, ge=0, le=1, description="Discount per triplet for `credit = discounted`.")
+    mini_batch_size: int = Field(
+        default=8, ge=1, description="Rows (triplets) per PPO mini-batch; a batch is rounded to a multiple of it."
+    )
+    batch_round: Literal["pad", "drop"] = Field(
+        default="pad",
+        description="How a batch reaches a multiple of `mini_batch_size`: `pad` adds copies of real rows with "
+        "an all-zero `response_mask` and reward (they add nothing to the loss); `drop` removes the last rows.",
+    )
+    pad_token_id: int = Field(
+        default=0, ge=0, description="Token ID written into padding positions (hidden by `attention_mask`)."
+    )
+    model: str | None = Field(
+        default=None,
+        description="Local Hugging Face model or tokenizer directory, used to re-tokenise calls recorded "
+        "without token IDs (hosted providers). Without it such calls are dropped (`no_tokens`).",
     )
 
 

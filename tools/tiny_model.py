@@ -18,7 +18,7 @@ import string
 from pathlib import Path
 
 # Bump when the recipe changes so stale directories are rebuilt, not reused.
-RECIPE_VERSION = 1
+RECIPE_VERSION = 3
 MARKER_FILE = "rolltap_tiny_model.json"
 
 ENDOFTEXT = "<|endoftext|>"
@@ -26,6 +26,11 @@ IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 SPECIAL_TOKENS = [ENDOFTEXT, IM_START, IM_END]
 VOCAB_SIZE = 400
+# Copied from transformers' Qwen2Tokenizer (see build_tokenizer for why it must match).
+QWEN2_PRETOKENIZE_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"""
+    r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -85,11 +90,19 @@ def _ascii_alphabet() -> list[str]:
 
 
 def build_tokenizer() -> "PreTrainedTokenizerFast":  # type: ignore[name-defined]  # noqa: F821
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
+    # The pipeline is exactly Qwen2's: transformers 5 loads any model_type=qwen2
+    # tokenizer through Qwen2Tokenizer, which rebuilds the normalizer and
+    # pre-tokenizer from code. Matching it keeps token IDs identical whether the
+    # directory is read by vLLM, transformers 5, or transformers 4 (tokenizer.json).
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=VOCAB_SIZE,
@@ -169,6 +182,10 @@ def build_tiny_model(out_dir: Path, *, seed: int = 0) -> Path:
         eos_token_id=eos_id,
         pad_token_id=pad_id,
         use_sliding_window=False,
+        # With the default 0.02 the residual stream is dominated by the (tied) input
+        # embedding and greedy decoding repeats one token forever; 0.2 gives varied,
+        # peaked output, which makes token/text alignment tests meaningful.
+        initializer_range=0.2,
     )
     config.dtype = "float32"
     # Seed only a private generator state: callers' global RNG stays untouched.

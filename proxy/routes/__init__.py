@@ -1,0 +1,1 @@
+"""HTTP routes. Thin: parse ids, take collaborators from `app.state`, return or raise."""

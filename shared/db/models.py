@@ -37,6 +37,9 @@ __all__ = [
     "Attempt",
     "Base",
     "Call",
+    "CallDrop",
+    "Export",
+    "ExportAttempt",
     "PolicyVersion",
     "Replica",
     "Reward",
@@ -207,4 +210,46 @@ class TrainingStepAttempt(Base):
     )
     step: Mapped[int] = mapped_column(
         Integer, ForeignKey("training_steps.step", name="fk_tsa_step"), nullable=False, index=True
+    )
+
+
+class CallDrop(Base):
+    """A call the trainer left out of every triplet, and why. One row per call: the latest reason wins."""
+
+    __tablename__ = "call_drops"
+
+    call_id: Mapped[str] = mapped_column(
+        String(40), ForeignKey("calls.call_id", name="fk_call_drops_call"), primary_key=True
+    )
+    rollout_id: Mapped[str] = mapped_column(String(ID_LEN), nullable=False)
+    attempt_id: Mapped[str] = mapped_column(String(ID_LEN), nullable=False)
+    # not_ok | no_tokens | empty_completion | logprobs_mismatch | prompt_too_long | response_too_long | truncated
+    reason: Mapped[str] = mapped_column(String(32), nullable=False, index=True)
+    detail: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=_now())
+
+
+class Export(Base):
+    """A `rolltap-trainer export --mark-consumed`: a file that consumed attempts instead of a training step."""
+
+    __tablename__ = "exports"
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    format: Mapped[str] = mapped_column(String(16), nullable=False)
+    path: Mapped[str] = mapped_column(Text, nullable=False)
+    num_attempts: Mapped[int] = mapped_column(Integer, nullable=False)
+    num_triplets: Mapped[int] = mapped_column(Integer, nullable=False)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=_now())
+
+
+class ExportAttempt(Base):
+    """Which attempts an export consumed; the primary key on the attempt makes it at-most-once, as for steps."""
+
+    __tablename__ = "export_attempts"
+
+    attempt_pk: Mapped[int] = mapped_column(
+        BigId, ForeignKey("attempts.id", name="fk_export_attempts_attempt"), primary_key=True
+    )
+    export_id: Mapped[int] = mapped_column(
+        BigId, ForeignKey("exports.id", name="fk_export_attempts_export"), nullable=False, index=True
     )

@@ -1,0 +1,193 @@
+"""Turn what a replica sent into the record's fields.
+
+Streamed responses are rebuilt into the shape of their non-streamed twin (content,
+token IDs and logprobs concatenated per choice), so a record looks the same whichever
+way the client asked. Extraction then reads token IDs, logprobs, finish reason and
+usage from that shape. Runs after the last byte reached the client: never on the
+relay's critical path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from shared.types import Route
+
+__all__ = ["Extract", "assemble_stream", "extract"]
+
+Json = dict[str, Any]
+
+
+@dataclass(slots=True)
+class Extract:
+    prompt_token_ids: list[int] | None = None
+    completion_token_ids: list[int] | None = None
+    completion_logprobs: list[float | None] | None = None
+    finish_reason: str | None = None
+    usage: Json | None = None
+    error: Json | None = None
+
+
+def _loads(data: str) -> Any:
+    try:
+        return orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return None
+
+
+def assemble_stream(route: str, events: list[str]) -> Json:
+    """Rebuild one response object from the `data:` payloads of a stream."""
+    objects = [obj for obj in (_loads(e) for e in events if e != "[DONE]") if isinstance(obj, dict)]
+    if route == Route.MESSAGES:
+        return _assemble_messages(objects)
+    return _assemble_openai(route, objects)
+
+
+def _assemble_openai(route: str, chunks: list[Json]) -> Json:
+    out: Json = {}
+    choices: dict[int, Json] = {}
+    for chunk in chunks:
+        if "error" in chunk and "choices" not in chunk:
+            out["error"] = chunk["error"]
+            continue
+        for key in ("id", "created", "model", "system_fingerprint"):
+            if key in chunk and key not in out:
+                out[key] = chunk[key]
+        if chunk.get("prompt_token_ids") is not None:
+            out["prompt_token_ids"] = chunk["prompt_token_ids"]
+        if chunk.get("usage"):
+            out["usage"] = chunk["usage"]
+        for part in chunk.get("choices") or ():
+            index = part.get("index", 0)
+            choice = choices.setdefault(index, _empty_choice(route, index))
+            _merge_choice(route, choice, part)
+    out["object"] = "chat.completion" if route == Route.CHAT else "text_completion"
+    out["choices"] = [choices[i] for i in sorted(choices)]
+    return out
+
+
+def _empty_choice(route: str, index: int) -> Json:
+    if route == Route.CHAT:
+        return {"index": index, "message": {"role": "assistant", "content": ""}, "logprobs": None,
+                "finish_reason": None, "token_ids": []}
+    return {"index": index, "text": "", "logprobs": None, "finish_reason": None, "token_ids": []}
+
+
+def _merge_choice(route: str, choice: Json, part: Json) -> None:
+    if part.get("token_ids"):
+        choice["token_ids"].extend(part["token_ids"])
+    if part.get("prompt_token_ids") is not None:
+        choice["prompt_token_ids"] = part["prompt_token_ids"]
+    if part.get("finish_reason") is not None:
+        choice["finish_reason"] = part["finish_reason"]
+    if part.get("stop_reason") is not None:
+        choice["stop_reason"] = part["stop_reason"]
+    logprobs = part.get("logprobs")
+    if route == Route.CHAT:
+        _merge_delta(choice["message"], part.get("delta") or {})
+        if logprobs and logprobs.get("content"):
+            choice["logprobs"] = choice["logprobs"] or {"content": []}
+            choice["logprobs"]["content"].extend(logprobs["content"])
+        return
+    choice["text"] += part.get("text") or ""
+    if logprobs:
+        merged = choice["logprobs"] or {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+            merged[key].extend(logprobs.get(key) or [])
+        choice["logprobs"] = merged
+
+
+def _merge_delta(message: Json, delta: Json) -> None:
+    for key in ("content", "reasoning_content", "reasoning", "refusal"):
+        if delta.get(key):
+            message[key] = (message.get(key) or "") + delta[key]
+    if delta.get("role"):
+        message["role"] = delta["role"]
+    for call in delta.get("tool_calls") or ():
+        calls = message.setdefault("tool_calls", [])
+        index = call.get("index", len(calls))
+        while len(calls) <= index:
+            calls.append({"id": None, "type": "function", "function": {"name": "", "arguments": ""}})
+        target = calls[index]
+        if call.get("id"):
+            target["id"] = call["id"]
+        function = call.get("function") or {}
+        if function.get("name"):
+            target["function"]["name"] += function["name"]
+        if function.get("arguments"):
+            target["function"]["arguments"] += function["arguments"]
+
+
+def _assemble_messages(events: list[Json]) -> Json:
+    out: Json = {"type": "message", "role": "assistant", "content": []}
+    for event in events:
+        kind = event.get("type")
+        if kind == "message_start":
+            out.update({k: v for k, v in (event.get("message") or {}).items() if k != "content"})
+        elif kind == "content_block_start":
+            out["content"].append(dict(event.get("content_block") or {}))
+        elif kind == "content_block_delta" and out["content"]:
+            block, delta = out["content"][-1], event.get("delta") or {}
+            if "text" in delta:
+                block["text"] = block.get("text", "") + delta["text"]
+            if "partial_json" in delta:
+                block["partial_json"] = block.get("partial_json", "") + delta["partial_json"]
+        elif kind == "message_delta":
+            out.update(event.get("delta") or {})
+            if event.get("usage"):
+                out["usage"] = {**(out.get("usage") or {}), **event["usage"]}
+        elif kind == "error" or "error" in event:
+            out["error"] = event.get("error", event)
+    return out
+
+
+def extract(route: str, response: Any) -> Extract:
+    """Read the record's token-level fields out of a (possibly assembled) response."""
+    if not isinstance(response, dict):
+        return Extract()
+    if route == Route.MESSAGES:
+        return Extract(
+            prompt_token_ids=response.get("prompt_token_ids"),
+            completion_token_ids=response.get("token_ids"),
+            finish_reason=response.get("stop_reason"),
+            usage=response.get("usage"),
+            error=response.get("error"),
+        )
+    choices = response.get("choices") or []
+    first: Json = choices[0] if choices and isinstance(choices[0], dict) else {}
+    prompt_ids = response.get("prompt_token_ids")
+    if prompt_ids is None:
+        prompt_ids = first.get("prompt_token_ids")  # completions put it on the choice
+    token_ids = first.get("token_ids")
+    return Extract(
+        prompt_token_ids=prompt_ids,
+        completion_token_ids=token_ids if token_ids is not None else None,
+        completion_logprobs=_logprobs(route, first.get("logprobs")),
+        finish_reason=first.get("finish_reason"),
+        usage=response.get("usage") or _usage(prompt_ids, token_ids),
+        error=response.get("error"),
+    )
+
+
+def _logprobs(route: str, logprobs: Any) -> list[float | None] | None:
+    if not isinstance(logprobs, dict):
+        return None
+    if route == Route.CHAT:
+        content = logprobs.get("content")
+        return [entry.get("logprob") for entry in content] if isinstance(content, list) else None
+    values = logprobs.get("token_logprobs")
+    return list(values) if isinstance(values, list) else None
+
+
+def _usage(prompt_ids: Any, token_ids: Any) -> Json | None:
+    # Streams carry usage only when the client asked for it; the token IDs tell the same.
+    if not isinstance(prompt_ids, list) or not isinstance(token_ids, list):
+        return None
+    return {
+        "prompt_tokens": len(prompt_ids),
+        "completion_tokens": len(token_ids),
+        "total_tokens": len(prompt_ids) + len(token_ids),
+    }

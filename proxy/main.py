@@ -1,0 +1,67 @@
+"""`rolltap-proxy`: command line, logging, migrations, then uvicorn.
+
+    rolltap-proxy --replica URL [--replica URL ...] --db URL --host H --port P
+
+Every flag has an environment equivalent (`ROLLTAP_PROXY__REPLICAS`, `ROLLTAP_DB__URL`,
+`ROLLTAP_PROXY__HOST`, `ROLLTAP_PROXY__PORT`, ...) and a config-file key
+(`ROLLTAP_CONFIG=rolltap.toml`); flags win. SIGTERM stops accepting, lets in-flight
+calls end within `proxy.shutdown_timeout_s`, then flushes the recorder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from typing import Any
+
+import uvicorn
+
+from proxy.app import create_app
+from shared.settings import Settings
+
+__all__ = ["main", "parse_settings"]
+
+
+def parse_settings(argv: list[str] | None = None) -> Settings:
+    parser = argparse.ArgumentParser(prog="rolltap-proxy", description="Rolltap tracing proxy for vLLM replicas")
+    parser.add_argument("--replica", action="append", dest="replicas", metavar="URL",
+                        help="vLLM replica base URL (repeatable); env ROLLTAP_PROXY__REPLICAS")
+    parser.add_argument("--db", metavar="URL", help="database URL; env ROLLTAP_DB__URL (default sqlite:///./rolltap.db)")
+    parser.add_argument("--host", help="listen address; env ROLLTAP_PROXY__HOST (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, help="listen port; env ROLLTAP_PROXY__PORT (default 8000)")
+    parser.add_argument("--model", help="served model to rewrite to before a policy is set; env ROLLTAP_PROXY__MODEL")
+    parser.add_argument("--admin-token", help="bearer token for /admin; env ROLLTAP_PROXY__ADMIN_TOKEN")
+    parser.add_argument("--log-level", help="logging level; env ROLLTAP_PROXY__LOG_LEVEL (default info)")
+    args = parser.parse_args(argv)
+    proxy: dict[str, Any] = {}
+    for name in ("replicas", "host", "port", "model", "admin_token", "log_level"):
+        value = getattr(args, name)
+        if value is not None:
+            proxy[name] = value
+    overrides: dict[str, Any] = {"proxy": proxy}
+    if args.db is not None:
+        overrides["db"] = {"url": args.db}
+    return Settings(**overrides)
+
+
+def main(argv: list[str] | None = None) -> None:
+    settings = parse_settings(argv)
+    level = settings.proxy.log_level.upper()
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not settings.proxy.replicas:
+        raise SystemExit("rolltap-proxy: no replica configured (--replica URL or ROLLTAP_PROXY__REPLICAS)")
+    logging.getLogger(__name__).info("settings: %s", settings.model_dump_json(exclude={"proxy": {"admin_token"}}))
+    config = uvicorn.Config(
+        create_app(settings),
+        host=settings.proxy.host,
+        port=settings.proxy.port,
+        log_level=settings.proxy.log_level.lower(),
+        access_log=False,  # per-request lines cost more than the proxy itself; metrics cover it
+        timeout_graceful_shutdown=int(settings.proxy.shutdown_timeout_s),
+        lifespan="on",
+    )
+    uvicorn.Server(config).run()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,35 @@
+"""Prometheus metrics of the proxy, served on `GET /metrics`.
+
+Module-level collectors in the default registry, as prometheus_client intends; the
+labels are low-cardinality (route, status, replica URL), never rollout or attempt ids.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+__all__ = [
+    "RECORDER_QUEUE",
+    "RECORDER_WRITE_SECONDS",
+    "RECORDS_SPOOLED",
+    "RECORDS_WRITTEN",
+    "REQUESTS",
+    "REQUEST_SECONDS",
+    "TTFB_SECONDS",
+]
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+REQUESTS = Counter("rolltap_requests_total", "Calls relayed, by route and record status", ["route", "status"])
+REQUEST_SECONDS = Histogram(
+    "rolltap_request_seconds", "Call duration in the proxy, start to last byte", ["route"], buckets=_LATENCY_BUCKETS
+)
+TTFB_SECONDS = Histogram(
+    "rolltap_ttfb_seconds", "Time to the replica's first byte", ["route"], buckets=_LATENCY_BUCKETS
+)
+RECORDER_QUEUE = Gauge("rolltap_recorder_queue_depth", "Records waiting for the writer")
+RECORDER_WRITE_SECONDS = Histogram(
+    "rolltap_recorder_write_seconds", "Time to write one batch of records", buckets=_LATENCY_BUCKETS
+)
+RECORDS_WRITTEN = Counter("rolltap_records_written_total", "Call records committed to the database")
+RECORDS_SPOOLED = Counter("rolltap_records_spooled_total", "Call records spooled to disk during an outage")

@@ -1,0 +1,336 @@
+"""The write path: a bounded queue drained in batches by one writer task.
+
+Guarantees (ARCHITECTURE.md): a request never awaits the database; a full queue makes
+callers wait (back-pressure) and never drops; when the database is unreachable,
+batches are spooled to local disk and written back, in order, once it answers;
+`wait_durable` is the flush barrier behind `finish`. SQLite gets exactly one writer:
+lifecycle writes (rewards, finish, registration) go through the same task as records.
+
+It must not parse responses or touch HTTP: records arrive complete.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+
+from proxy import metrics
+from proxy.store import write_calls
+from shared.errors import DatabaseUnavailable
+from shared.settings import RecorderSettings
+from shared.types import CallRecord
+
+__all__ = ["Recorder"]
+
+logger = logging.getLogger(__name__)
+
+Key = tuple[str, str]
+Op = Callable[[AsyncConnection], Awaitable[Any]]
+
+
+@dataclass(slots=True)
+class _Pending:
+    """Calls of one attempt that started but are not yet durable."""
+
+    count: int = 0
+    idle: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+@dataclass(slots=True)
+class _OpItem:
+    op: Op
+    future: asyncio.Future[Any]
+
+
+class _Stop:
+    pass
+
+
+Item = CallRecord | _OpItem | _Stop
+
+
+def _is_outage(exc: BaseException) -> bool:
+    """Errors that mean "the database is not there", worth spooling for, not bugs in a batch."""
+    if isinstance(exc, IntegrityError):
+        return False
+    if isinstance(exc, DBAPIError):
+        return bool(exc.connection_invalidated) or isinstance(exc, OperationalError) or "connect" in str(exc).lower()
+    return isinstance(exc, (OSError, ConnectionError, asyncio.TimeoutError))
+
+
+class Spool:
+    """Batches waiting on local disk, one fsynced JSON-lines file per batch, replayed in name order."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self._seq = 0
+
+    def files(self) -> list[Path]:
+        if not self.directory.is_dir():
+            return []
+        return sorted(p for p in self.directory.glob("*.jsonl") if p.is_file())
+
+    def write(self, records: list[CallRecord]) -> Path:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._seq += 1
+        path = self.directory / f"{time.time_ns():020d}-{os.getpid()}-{self._seq:06d}.jsonl"
+        tmp = path.with_suffix(".tmp")
+        with open(tmp, "wb") as fh:
+            for record in records:
+                fh.write(orjson.dumps(record.to_json()) + b"\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        tmp.rename(path)  # atomic: a replay never sees half a batch
+        return path
+
+    @staticmethod
+    def read(path: Path) -> list[CallRecord]:
+        return [CallRecord.from_json(orjson.loads(line)) for line in path.read_bytes().splitlines() if line.strip()]
+
+
+class Recorder:
+    def __init__(self, settings: RecorderSettings, engine: AsyncEngine) -> None:
+        self._settings = settings
+        self._engine = engine
+        self._queue: asyncio.Queue[Item] = asyncio.Queue(maxsize=settings.queue_size)
+        self._pending: dict[Key, _Pending] = {}
+        self._spool = Spool(settings.spool_dir)
+        self._task: asyncio.Task[None] | None = None
+        self._next_retry = 0.0
+        self.is_db_healthy = True
+        self._has_spool = False
+        self.written_total = 0
+
+    # -- the hot path -------------------------------------------------------------------
+
+    def begin(self, key: Key | None) -> None:
+        """A call of `key` started: `finish` must now wait for its record."""
+        if key is None:
+            return
+        pending = self._pending.get(key)
+        if pending is None:
+            pending = self._pending[key] = _Pending()
+        pending.count += 1
+        pending.idle.clear()
+
+    async def submit(self, record: CallRecord) -> None:
+        """Queue a finished call's record. Waits while the queue is full; never drops."""
+        if self._task is None or self._task.done():
+            raise DatabaseUnavailable("recorder is not running")
+        await self._queue.put(record)
+        metrics.RECORDER_QUEUE.set(self._queue.qsize())
+
+    # -- lifecycle writes and barriers ----------------------------------------------------
+
+    async def run(self, op: Op, timeout_s: float) -> Any:
+        """Run `op(conn)` in the writer's next transaction and return its result."""
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        await self._queue.put(_OpItem(op, future))
+        try:
+            return await asyncio.wait_for(asyncio.shield(future), timeout_s)
+        except TimeoutError as exc:
+            raise DatabaseUnavailable("database write did not complete in time", retry_after_s=1.0) from exc
+
+    async def wait_durable(self, key: Key, timeout_s: float) -> bool:
+        """Wait until every call of `key` that started so far is committed. False on timeout."""
+        pending = self._pending.get(key)
+        if pending is None or pending.count == 0:
+            return True
+        try:
+            await asyncio.wait_for(pending.idle.wait(), timeout_s)
+        except TimeoutError:
+            return False
+        return True
+
+    def _done(self, records: list[CallRecord]) -> None:
+        for record in records:
+            key = record.attempt_key
+            pending = self._pending.get(key) if key is not None else None
+            if pending is None:
+                continue  # replayed from a spool written by an earlier process
+            pending.count -= 1
+            if pending.count <= 0:
+                pending.idle.set()
+                # Forget idle attempts so the map does not grow with every attempt ever seen.
+                del self._pending[key]  # type: ignore[arg-type]
+
+    @property
+    def queue_depth(self) -> int:
+        return self._queue.qsize()
+
+    @property
+    def spooled_batches(self) -> int:
+        return len(self._spool.files())
+
+    # -- the writer task --------------------------------------------------------------------
+
+    async def start(self) -> None:
+        # Batches spooled by an earlier process are written back first.
+        self._has_spool = bool(self._spool.files())
+        self._task = asyncio.create_task(self._run(), name="rolltap-recorder")
+
+    async def stop(self, timeout_s: float) -> None:
+        """Write what is queued (until the deadline), then spool whatever is left."""
+        if self._task is None:
+            return
+        await self._queue.put(_Stop())
+        try:
+            await asyncio.wait_for(asyncio.shield(self._task), timeout_s)
+        except TimeoutError:
+            logger.warning("recorder: flush deadline passed; spooling the rest to %s", self._spool.directory)
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._spool_leftovers()
+        self._task = None
+
+    def _spool_leftovers(self) -> None:
+        records: list[CallRecord] = []
+        while not self._queue.empty():
+            item = self._queue.get_nowait()
+            if isinstance(item, CallRecord):
+                records.append(item)
+            elif isinstance(item, _OpItem) and not item.future.done():
+                item.future.set_exception(DatabaseUnavailable("proxy shutting down"))
+        if records:
+            self._spool_write(records)
+
+    async def _run(self) -> None:
+        linger_s = self._settings.linger_ms / 1000
+        while True:
+            if self._has_spool:
+                # During an outage, retry the spool even when no new records arrive.
+                try:
+                    item = await asyncio.wait_for(self._queue.get(), self._settings.retry_interval_s)
+                except TimeoutError:
+                    await self._replay_spool()
+                    continue
+            else:
+                item = await self._queue.get()
+            batch: list[Item] = [item]
+            if linger_s and not isinstance(item, _Stop):
+                await asyncio.sleep(linger_s)
+            # Whatever queued while the last batch was being written joins this one.
+            while len(batch) < self._settings.batch_max and not self._queue.empty():
+                batch.append(self._queue.get_nowait())
+            metrics.RECORDER_QUEUE.set(self._queue.qsize())
+            stop = any(isinstance(i, _Stop) for i in batch)
+            await self._write_batch([i for i in batch if not isinstance(i, _Stop)])
+            if stop:
+                # Leftovers that arrived after the stop marker are written too.
+                rest = []
+                while not self._queue.empty():
+                    rest.append(self._queue.get_nowait())
+                await self._write_batch([i for i in rest if not isinstance(i, _Stop)])
+                return
+
+    async def _write_batch(self, batch: list[Item]) -> None:
+        records = [i for i in batch if isinstance(i, CallRecord)]
+        ops = [i for i in batch if isinstance(i, _OpItem)]
+        if self._has_spool:
+            await self._replay_spool()
+        if records:
+            await self._write_records(records)
+        for item in ops:
+            await self._run_op(item)
+
+    async def _write_records(self, records: list[CallRecord]) -> None:
+        if self._has_spool:
+            # Older batches still wait on disk: queue behind them there, keeping order.
+            self._spool_write(records)
+            return
+        started = time.perf_counter()
+        try:
+            async with self._engine.begin() as conn:
+                await write_calls(conn, records)
+        except Exception as exc:  # noqa: BLE001 - classified below, never swallowed silently
+            if _is_outage(exc):
+                self._on_outage(exc)
+                self._spool_write(records)
+                return
+            logger.exception("recorder: batch of %d failed; writing one by one", len(records))
+            await self._write_one_by_one(records)
+            return
+        metrics.RECORDER_WRITE_SECONDS.observe(time.perf_counter() - started)
+        self.written_total += len(records)
+        metrics.RECORDS_WRITTEN.inc(len(records))
+        self._done(records)
+
+    def _spool_write(self, records: list[CallRecord]) -> None:
+        self._spool.write(records)
+        self._has_spool = True
+        metrics.RECORDS_SPOOLED.inc(len(records))
+
+    async def _write_one_by_one(self, records: list[CallRecord]) -> None:
+        for record in records:
+            try:
+                async with self._engine.begin() as conn:
+                    await write_calls(conn, [record], skip_existing=True)
+            except Exception as exc:  # noqa: BLE001
+                if _is_outage(exc):
+                    self._on_outage(exc)
+                    self._spool_write([record])
+                    continue
+                # Kept on disk for a human: never dropped, never retried forever.
+                dead = self._spool.directory / "dead"
+                logger.error("recorder: call %s cannot be written (%s); kept in %s", record.call_id, exc, dead)
+                Spool(dead).write([record])
+            self._done([record])
+
+    def _on_outage(self, exc: BaseException) -> None:
+        if self.is_db_healthy:
+            logger.error("recorder: database unreachable (%s); spooling to %s", exc, self._spool.directory)
+        self.is_db_healthy = False
+        self._next_retry = time.monotonic() + self._settings.retry_interval_s
+
+    async def _replay_spool(self) -> bool:
+        """Write spooled batches back in order. True when the spool is empty afterwards."""
+        if time.monotonic() < self._next_retry:
+            return False
+        for path in self._spool.files():
+            records = Spool.read(path)
+            try:
+                async with self._engine.begin() as conn:
+                    await write_calls(conn, records, skip_existing=True)
+            except Exception as exc:  # noqa: BLE001
+                if _is_outage(exc):
+                    self._on_outage(exc)
+                    return False
+                logger.exception("recorder: spooled batch %s failed; writing one by one", path.name)
+                path.unlink()
+                await self._write_one_by_one(records)
+                continue
+            path.unlink()
+            self.written_total += len(records)
+            metrics.RECORDS_WRITTEN.inc(len(records))
+            self._done(records)
+        if not self.is_db_healthy:
+            logger.info("recorder: database reachable again; spool replayed")
+        self.is_db_healthy = True
+        self._has_spool = False
+        return True
+
+    async def _run_op(self, item: _OpItem) -> None:
+        if item.future.done():
+            return  # its caller gave up waiting
+        try:
+            async with self._engine.begin() as conn:
+                result = await item.op(conn)
+        except Exception as exc:  # noqa: BLE001 - handed to the waiting caller
+            if _is_outage(exc):
+                self._on_outage(exc)
+                exc = DatabaseUnavailable(f"database unreachable: {exc.__class__.__name__}", retry_after_s=1.0)
+            if not item.future.done():
+                item.future.set_exception(exc)
+            return
+        if not item.future.done():
+            item.future.set_result(result)

@@ -1,0 +1,121 @@
+"""Rollout lifecycle: registration, rewards, finish (a flush barrier) and reading an attempt."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from proxy import store
+from proxy.recorder import Recorder
+from proxy.routes.ids import check_id
+from shared.errors import DatabaseUnavailable
+from shared.settings import ProxySettings
+
+__all__ = ["router"]
+
+router = APIRouter()
+
+
+class RolloutIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    rollout_id: str
+    group_id: str | None = None
+    task: Any = None
+    metadata: dict[str, Any] | None = None
+
+
+class RewardIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    value: float
+    name: str | None = Field(default=None, max_length=128)
+    call_id: str | None = Field(default=None, max_length=40)
+
+    @field_validator("value")
+    @classmethod
+    def _finite(cls, value: float) -> float:
+        if not math.isfinite(value):
+            raise ValueError("reward must be a finite number")
+        return value
+
+
+class FinishIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    status: Literal["succeeded", "failed", "cancelled"] = "succeeded"
+    reward: float | None = None
+
+    @field_validator("reward")
+    @classmethod
+    def _finite(cls, value: float | None) -> float | None:
+        if value is not None and not math.isfinite(value):
+            raise ValueError("reward must be a finite number")
+        return value
+
+
+def _collaborators(request: Request) -> tuple[Recorder, ProxySettings]:
+    return request.app.state.recorder, request.app.state.settings.proxy
+
+
+async def _barrier(recorder: Recorder, key: tuple[str, str], timeout_s: float) -> None:
+    if not await recorder.wait_durable(key, timeout_s):
+        raise DatabaseUnavailable(
+            f"calls of attempt {key[0]}/{key[1]} are not yet durable after {timeout_s:g} s "
+            "(still in flight, or the database is unreachable); retry",
+            code="not_durable", retry_after_s=1.0,
+        )
+
+
+@router.post("/rollouts")
+async def register_rollout(body: RolloutIn, request: Request) -> dict[str, Any]:
+    recorder, settings = _collaborators(request)
+    rollout_id = check_id(body.rollout_id, "rollout_id")
+    group_id = check_id(body.group_id, "group_id") if body.group_id is not None else None
+
+    async def op(conn: AsyncConnection) -> None:
+        await store.register_rollout(conn, rollout_id, group_id, body.task, body.metadata)
+
+    await recorder.run(op, settings.finish_timeout_s)
+    return {"object": "rolltap.rollout", "rollout_id": rollout_id, "group_id": group_id or rollout_id}
+
+
+@router.post("/rollout/{rollout_id}/attempt/{attempt_id}/reward")
+async def post_reward(rollout_id: str, attempt_id: str, body: RewardIn, request: Request) -> dict[str, Any]:
+    recorder, settings = _collaborators(request)
+    key = (check_id(rollout_id, "rollout_id"), check_id(attempt_id, "attempt_id"))
+    if body.call_id is not None:
+        await _barrier(recorder, key, settings.finish_timeout_s)  # the call must be readable to be named
+
+    async def op(conn: AsyncConnection) -> int:
+        return await store.add_reward(conn, *key, body.value, body.name, body.call_id)
+
+    reward_id = await recorder.run(op, settings.finish_timeout_s)
+    return {"object": "rolltap.reward", "id": reward_id, "rollout_id": key[0], "attempt_id": key[1],
+            "value": body.value, "name": body.name, "call_id": body.call_id}
+
+
+@router.post("/rollout/{rollout_id}/attempt/{attempt_id}/finish")
+async def finish(rollout_id: str, attempt_id: str, body: FinishIn, request: Request) -> dict[str, Any]:
+    """Returns only once every call of the attempt that reached this proxy is committed."""
+    recorder, settings = _collaborators(request)
+    key = (check_id(rollout_id, "rollout_id"), check_id(attempt_id, "attempt_id"))
+    await _barrier(recorder, key, settings.finish_timeout_s)
+
+    async def op(conn: AsyncConnection) -> None:
+        await store.finish_attempt(conn, *key, body.status, body.reward)
+
+    await recorder.run(op, settings.finish_timeout_s)
+    return {"object": "rolltap.attempt", "rollout_id": key[0], "attempt_id": key[1], "status": body.status,
+            "is_durable": True}
+
+
+@router.get("/rollout/{rollout_id}/attempt/{attempt_id}")
+async def get_attempt(rollout_id: str, attempt_id: str, request: Request) -> dict[str, Any]:
+    recorder, settings = _collaborators(request)
+    key = (check_id(rollout_id, "rollout_id"), check_id(attempt_id, "attempt_id"))
+    # Calls that already answered should be visible even before `finish`.
+    await _barrier(recorder, key, settings.finish_timeout_s)
+    async with request.app.state.reader.connect() as conn:
+        return await store.read_attempt(conn, *key)

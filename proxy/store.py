@@ -1,0 +1,226 @@
+"""The proxy's SQL: every statement it runs against the database lives here.
+
+Writes take an `AsyncConnection` inside a transaction opened by the caller (the
+recorder's writer); reads take their own connection. Statements are portable between
+SQLite and PostgreSQL; the two upsert dialects are chosen in one helper.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import Insert, select, update
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from shared.db.models import Attempt, Call, PolicyVersion, Reward, Rollout
+from shared.errors import Conflict, NotFound
+from shared.types import CallRecord
+
+__all__ = [
+    "add_reward",
+    "finish_attempt",
+    "load_active_policy",
+    "read_attempt",
+    "register_rollout",
+    "save_base_policy",
+    "write_calls",
+]
+
+
+def _insert(conn: AsyncConnection, table: Any) -> Insert:
+    module = postgresql if conn.dialect.name == "postgresql" else sqlite
+    return module.insert(table)  # type: ignore[no-any-return]
+
+
+async def _ensure_attempts(conn: AsyncConnection, keys: dict[tuple[str, str], int | None]) -> None:
+    """Create missing rollout and attempt rows (the first call creates them; registration is optional)."""
+    if not keys:
+        return
+    rollouts = sorted({rid for rid, _ in keys})
+    await conn.execute(
+        _insert(conn, Rollout).on_conflict_do_nothing(index_elements=["rollout_id"]),
+        [{"rollout_id": rid} for rid in rollouts],
+    )
+    await conn.execute(
+        _insert(conn, Attempt).on_conflict_do_nothing(index_elements=["rollout_id", "attempt_id"]),
+        [{"rollout_id": rid, "attempt_id": aid, "policy_version": pv} for (rid, aid), pv in sorted(keys.items())],
+    )
+
+
+async def write_calls(conn: AsyncConnection, records: list[CallRecord], *, skip_existing: bool = False) -> int:
+    """Insert a batch of call records; returns how many were inserted.
+
+    Sequence numbers are taken from `attempts.num_calls` with one UPDATE ... RETURNING
+    per attempt, which row-locks the attempt on PostgreSQL, so several proxies sharing a
+    database never hand out the same number. Within a batch, calls are numbered in the
+    order they started. `skip_existing` makes a replay of spooled batches idempotent.
+    """
+    if skip_existing and records:
+        existing = set(
+            (await conn.execute(select(Call.call_id).where(Call.call_id.in_([r.call_id for r in records])))).scalars()
+        )
+        records = [r for r in records if r.call_id not in existing]
+    if not records:
+        return 0
+    by_attempt: dict[tuple[str, str], list[CallRecord]] = defaultdict(list)
+    for record in records:
+        key = record.attempt_key
+        if key is not None:
+            by_attempt[key].append(record)
+    await _ensure_attempts(conn, {key: recs[0].policy_version for key, recs in by_attempt.items()})
+    rows: list[dict[str, Any]] = []
+    for (rid, aid), recs in sorted(by_attempt.items()):
+        recs.sort(key=lambda r: (r.started_at, r.arrival))
+        total = (
+            await conn.execute(
+                update(Attempt)
+                .where(Attempt.rollout_id == rid, Attempt.attempt_id == aid)
+                .values(num_calls=Attempt.num_calls + len(recs))
+                .returning(Attempt.num_calls)
+            )
+        ).scalar_one()
+        for offset, record in enumerate(recs):
+            rows.append({**record.to_row(), "seq": total - len(recs) + offset})
+    rows.extend({**r.to_row(), "seq": None} for r in records if r.attempt_key is None)
+    await conn.execute(_insert(conn, Call), rows)
+    return len(rows)
+
+
+async def register_rollout(
+    conn: AsyncConnection, rollout_id: str, group_id: str | None, task: Any, metadata: dict[str, Any] | None
+) -> None:
+    values = {"rollout_id": rollout_id, "group_id": group_id, "task": task, "metadata": metadata}
+    stmt = _insert(conn, Rollout).values(values)
+    await conn.execute(
+        stmt.on_conflict_do_update(
+            index_elements=["rollout_id"],
+            set_={"group_id": stmt.excluded.group_id, "task": stmt.excluded.task, "metadata": stmt.excluded.metadata},
+        )
+    )
+
+
+async def add_reward(
+    conn: AsyncConnection, rollout_id: str, attempt_id: str, value: float, name: str | None, call_id: str | None
+) -> int:
+    await _ensure_attempts(conn, {(rollout_id, attempt_id): None})
+    if call_id is not None:
+        owner = (
+            await conn.execute(
+                select(Call.id).where(
+                    Call.call_id == call_id, Call.rollout_id == rollout_id, Call.attempt_id == attempt_id
+                )
+            )
+        ).first()
+        if owner is None:
+            raise NotFound(f"call {call_id!r} is not a call of attempt {rollout_id}/{attempt_id}", param="call_id")
+    result = await conn.execute(
+        _insert(conn, Reward)
+        .values(rollout_id=rollout_id, attempt_id=attempt_id, value=value, name=name, call_id=call_id)
+        .returning(Reward.id)
+    )
+    return int(result.scalar_one())
+
+
+async def finish_attempt(
+    conn: AsyncConnection, rollout_id: str, attempt_id: str, status: str, reward: float | None
+) -> None:
+    await _ensure_attempts(conn, {(rollout_id, attempt_id): None})
+    current = (
+        await conn.execute(
+            select(Attempt.status).where(Attempt.rollout_id == rollout_id, Attempt.attempt_id == attempt_id)
+        )
+    ).scalar_one()
+    if current != "running":
+        if current == status and reward is None:
+            return  # a retried finish: already done
+        raise Conflict(f"attempt {rollout_id}/{attempt_id} already finished as {current!r}", code="already_finished")
+    await conn.execute(
+        update(Attempt)
+        .where(Attempt.rollout_id == rollout_id, Attempt.attempt_id == attempt_id)
+        .values(status=status, finished_at=datetime.now(UTC))
+    )
+    if reward is not None:
+        await conn.execute(
+            _insert(conn, Reward).values(rollout_id=rollout_id, attempt_id=attempt_id, value=reward, name="final")
+        )
+
+
+def _iso(value: datetime | None) -> str | None:
+    if value is None:
+        return None
+    # SQLite hands back naive datetimes; everything is written in UTC.
+    return (value if value.tzinfo is not None else value.replace(tzinfo=UTC)).isoformat()
+
+
+_CALL_FIELDS = (
+    "call_id", "seq", "route", "is_streaming", "status", "http_status", "error", "request", "response",
+    "response_truncated", "prompt_token_ids", "completion_token_ids", "completion_logprobs", "finish_reason",
+    "usage", "replica", "policy_version", "requested_model", "served_model",
+)
+
+
+async def read_attempt(conn: AsyncConnection, rollout_id: str, attempt_id: str) -> dict[str, Any]:
+    attempt = (
+        await conn.execute(
+            select(Attempt.status, Attempt.policy_version, Attempt.created_at, Attempt.finished_at, Rollout.group_id)
+            .join(Rollout, Rollout.rollout_id == Attempt.rollout_id)
+            .where(Attempt.rollout_id == rollout_id, Attempt.attempt_id == attempt_id)
+        )
+    ).mappings().first()
+    if attempt is None:
+        raise NotFound(f"no attempt {rollout_id}/{attempt_id}", code="unknown_attempt")
+    calls = (
+        await conn.execute(
+            select(Call.__table__).where(Call.rollout_id == rollout_id, Call.attempt_id == attempt_id).order_by(Call.seq)
+        )
+    ).mappings()
+    rewards = (
+        await conn.execute(
+            select(Reward.value, Reward.name, Reward.call_id, Reward.created_at)
+            .where(Reward.rollout_id == rollout_id, Reward.attempt_id == attempt_id)
+            .order_by(Reward.id)
+        )
+    ).mappings()
+    return {
+        "object": "rolltap.attempt",
+        "rollout_id": rollout_id,
+        "attempt_id": attempt_id,
+        "group_id": attempt["group_id"] or rollout_id,
+        "status": attempt["status"],
+        "policy_version": attempt["policy_version"],
+        "created_at": _iso(attempt["created_at"]),
+        "finished_at": _iso(attempt["finished_at"]),
+        "rewards": [{**r, "created_at": _iso(r["created_at"])} for r in rewards],
+        "calls": [
+            {
+                **{name: c[name] for name in _CALL_FIELDS},
+                "started_at": _iso(c["started_at"]),
+                "first_byte_at": _iso(c["first_byte_at"]),
+                "ended_at": _iso(c["ended_at"]),
+            }
+            for c in calls
+        ],
+    }
+
+
+async def load_active_policy(conn: AsyncConnection) -> tuple[int, str] | None:
+    row = (
+        await conn.execute(
+            select(PolicyVersion.version, PolicyVersion.served_name)
+            .where(PolicyVersion.is_active.is_(True))
+            .order_by(PolicyVersion.version.desc())
+        )
+    ).first()
+    return (int(row[0]), str(row[1])) if row is not None else None
+
+
+async def save_base_policy(conn: AsyncConnection, served_name: str) -> None:
+    """Record version 0 (the replicas' base model) as active, unless a policy exists already."""
+    await conn.execute(
+        _insert(conn, PolicyVersion)
+        .values(version=0, served_name=served_name, base_model=served_name, kind="base", is_active=True)
+        .on_conflict_do_nothing(index_elements=["version"])
+    )

@@ -1,0 +1,83 @@
+"""The one HTTP client to the replicas, and the one place its errors are mapped.
+
+aiohttp was chosen over httpx by measurement (`bench/upstream_client.py`, results in
+`docs/benchmarks.md`). One `ClientSession` per process, keep-alive, explicit limits
+and timeouts. Bodies are passed as bytes and read as bytes: nothing is re-encoded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from typing import Any
+
+import aiohttp
+
+from shared.errors import UpstreamTimeout, UpstreamUnavailable
+from shared.settings import ProxySettings
+
+__all__ = ["Upstream", "upstream_errors"]
+
+JSON_HEADERS = {"content-type": "application/json", "accept": "*/*"}
+
+
+@asynccontextmanager
+async def upstream_errors(replica: str) -> AsyncIterator[None]:
+    """Map transport failures to Rolltap errors (503 unreachable, 504 silent)."""
+    try:
+        yield
+    except (asyncio.TimeoutError, aiohttp.ServerTimeoutError) as exc:
+        raise UpstreamTimeout(f"replica {replica} did not answer in time") from exc
+    except aiohttp.ClientError as exc:
+        raise UpstreamUnavailable(f"replica {replica} unreachable: {exc.__class__.__name__}: {exc}") from exc
+    except OSError as exc:
+        raise UpstreamUnavailable(f"replica {replica} unreachable: {exc}") from exc
+
+
+class Upstream:
+    def __init__(self, settings: ProxySettings) -> None:
+        self._settings = settings
+        self._session: aiohttp.ClientSession | None = None
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            # Created lazily so it binds to the running loop (uvicorn's), not the importer's.
+            connector = aiohttp.TCPConnector(
+                limit=self._settings.max_connections, limit_per_host=0, enable_cleanup_closed=True
+            )
+            timeout = aiohttp.ClientTimeout(
+                total=None, connect=self._settings.connect_timeout_s, sock_read=self._settings.read_timeout_s
+            )
+            # auto_decompress off: bytes go to the client exactly as the replica sent them.
+            self._session = aiohttp.ClientSession(
+                connector=connector, timeout=timeout, auto_decompress=False, raise_for_status=False
+            )
+        return self._session
+
+    async def post(self, replica: str, path: str, body: bytes, headers: Mapping[str, str] | None = None) -> aiohttp.ClientResponse:
+        """Send a request; returns once the status line and headers arrived. The caller closes it."""
+        async with upstream_errors(replica):
+            return await self.session.post(replica + path, data=body, headers=headers or JSON_HEADERS)
+
+    async def get(self, replica: str, path: str, timeout_s: float | None = None) -> tuple[int, bytes, str]:
+        timeout = aiohttp.ClientTimeout(total=timeout_s) if timeout_s else None
+        async with upstream_errors(replica):
+            async with self.session.get(replica + path, timeout=timeout) as resp:
+                return resp.status, await resp.read(), resp.headers.get("content-type", "application/json")
+
+    async def request(self, method: str, replica: str, path: str, body: bytes, headers: Mapping[str, str]) -> aiohttp.ClientResponse:
+        async with upstream_errors(replica):
+            return await self.session.request(method, replica + path, data=body or None, headers=headers)
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+
+def forwardable_headers(headers: Any) -> dict[str, str]:
+    """Request headers worth passing upstream: content negotiation only, never client credentials."""
+    out = {"content-type": headers.get("content-type", "application/json"), "accept": headers.get("accept", "*/*")}
+    return out

@@ -1,0 +1,97 @@
+"""Rolltap's error tree. Each error knows its HTTP status and OpenAI error `type`.
+
+    RolltapError (500, internal_error)
+    ├── InvalidRequest (400, invalid_request_error)
+    │   └── InvalidId (400, invalid_request_error, code=invalid_id)
+    ├── Unauthorized (401, authentication_error)
+    ├── NotFound (404, not_found_error)
+    ├── Conflict (409, conflict_error)
+    ├── ServiceUnavailable (503, service_unavailable)
+    │   ├── UpstreamUnavailable (503, upstream_unavailable): no replica could be reached
+    │   └── DatabaseUnavailable (503, database_unavailable)
+    └── UpstreamTimeout (504, upstream_timeout)
+
+The proxy renders them as `{"error": {"message", "type", "param", "code"}}` in one
+handler (`proxy/errors.py`); nothing here imports a web framework.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "Conflict",
+    "DatabaseUnavailable",
+    "InvalidId",
+    "InvalidRequest",
+    "NotFound",
+    "RolltapError",
+    "ServiceUnavailable",
+    "Unauthorized",
+    "UpstreamTimeout",
+    "UpstreamUnavailable",
+]
+
+
+class RolltapError(Exception):
+    status_code = 500
+    type = "internal_error"
+    code: str | None = None
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        retry_after_s: float | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if code is not None:
+            self.code = code
+        self.retry_after_s = retry_after_s
+
+    def body(self) -> dict[str, dict[str, str | None]]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class InvalidRequest(RolltapError):
+    status_code = 400
+    type = "invalid_request_error"
+
+
+class InvalidId(InvalidRequest):
+    code = "invalid_id"
+
+
+class Unauthorized(RolltapError):
+    status_code = 401
+    type = "authentication_error"
+
+
+class NotFound(RolltapError):
+    status_code = 404
+    type = "not_found_error"
+
+
+class Conflict(RolltapError):
+    status_code = 409
+    type = "conflict_error"
+
+
+class ServiceUnavailable(RolltapError):
+    status_code = 503
+    type = "service_unavailable"
+
+
+class UpstreamUnavailable(ServiceUnavailable):
+    type = "upstream_unavailable"
+
+
+class DatabaseUnavailable(ServiceUnavailable):
+    type = "database_unavailable"
+
+
+class UpstreamTimeout(RolltapError):
+    status_code = 504
+    type = "upstream_timeout"

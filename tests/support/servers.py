@@ -1,0 +1,57 @@
+"""Real servers for tests: the proxy under uvicorn on a free port, in a background thread."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import uvicorn
+from fastapi import FastAPI
+
+from proxy.app import create_app
+from shared.settings import Settings
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class RunningProxy:
+    url: str
+    app: FastAPI
+    server: uvicorn.Server
+    settings: Settings
+
+    def base_url(self, rollout_id: str, attempt_id: str) -> str:
+        return f"{self.url}/rollout/{rollout_id}/attempt/{attempt_id}/v1"
+
+
+@contextmanager
+def run_proxy(settings: Settings, *, startup_timeout_s: float = 60.0) -> Iterator[RunningProxy]:
+    """Serve `create_app(settings)` for the duration of the block (graceful stop at exit)."""
+    port = settings.proxy.port or free_port()
+    app = create_app(settings)
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", access_log=False,
+                            lifespan="on", timeout_graceful_shutdown=int(settings.proxy.shutdown_timeout_s))
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, name=f"proxy-{port}", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + startup_timeout_s
+    while not server.started:
+        if not thread.is_alive():
+            raise RuntimeError("proxy failed to start (see log above)")
+        if time.monotonic() > deadline:
+            raise TimeoutError("proxy did not start in time")
+        time.sleep(0.02)
+    try:
+        yield RunningProxy(f"http://127.0.0.1:{port}", app, server, settings)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=settings.proxy.shutdown_timeout_s + 30)

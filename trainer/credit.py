@@ -1,0 +1,112 @@
+"""Credit assignment: how an attempt's rewards become one reward per triplet.
+
+Pure functions over plain lists; no database, no torch. The attempt's triplets are
+given in order (oldest first) as the `seq` numbers of the calls each one holds.
+
+Final reward of an attempt (`final_reward`): the value of the reward named "final"
+(what `finish` with a reward stores; the latest one if posted twice, so a correction
+wins); without one, the sum of all the attempt's rewards (several posted rewards are
+read as parts of one return, e.g. shaping terms).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Literal
+
+from trainer.records import RewardRecord
+
+__all__ = [
+    "CreditMode",
+    "assign_credit",
+    "discounted",
+    "final_reward",
+    "identical",
+    "last_only",
+    "per_call",
+]
+
+CreditMode = Literal["identical", "last_only", "discounted", "per_call"]
+FINAL = "final"
+
+
+def final_reward(rewards: Sequence[RewardRecord]) -> float | None:
+    """The attempt's reward: the last one named "final", else the sum of all; None without rewards."""
+    finals = [r.value for r in rewards if r.name == FINAL]
+    if finals:
+        return float(finals[-1])
+    if not rewards:
+        return None
+    return float(sum(r.value for r in rewards))
+
+
+def identical(final: float, num_triplets: int) -> list[float]:
+    """The final reward on every triplet (the default; what single-turn GRPO does per sample)."""
+    return [final] * num_triplets
+
+
+def last_only(final: float, num_triplets: int) -> list[float]:
+    """The final reward on the last triplet, 0 on the others."""
+    return [0.0] * (num_triplets - 1) + [final] if num_triplets else []
+
+
+def discounted(final: float, num_triplets: int, gamma: float) -> list[float]:
+    """`final * gamma**k` on the triplet k steps before the last (the last gets `final`)."""
+    return [final * gamma ** (num_triplets - 1 - i) for i in range(num_triplets)]
+
+
+def per_call(
+    triplet_seqs: Sequence[Sequence[int]],
+    rewards: Sequence[RewardRecord],
+    call_seq: Mapping[str, int],
+) -> list[float]:
+    """Rewards posted with a `call_id` go to the triplet holding that call (summed).
+
+    A reward aimed at a call that is in no triplet (dropped) goes to the first triplet
+    that ends at or after that call, else to the last: the credit is kept, not lost.
+    Rewards without a `call_id` are reduced like `final_reward` and go to the last triplet.
+    A `call_id` unknown in the attempt is treated as a reward without one.
+    """
+    n = len(triplet_seqs)
+    out = [0.0] * n
+    if not n:
+        return out
+    where = {seq: i for i, seqs in enumerate(triplet_seqs) for seq in seqs}
+    ends = [max(seqs) for seqs in triplet_seqs]
+    unaimed: list[RewardRecord] = []
+    for r in rewards:
+        seq = call_seq.get(r.call_id) if r.call_id is not None else None
+        if seq is None:
+            unaimed.append(r)
+            continue
+        i = where.get(seq)
+        if i is None:
+            i = next((k for k, end in enumerate(ends) if end >= seq), n - 1)
+        out[i] += r.value
+    rest = final_reward(unaimed)
+    if rest is not None:
+        out[-1] += rest
+    return out
+
+
+def assign_credit(
+    mode: CreditMode,
+    triplet_seqs: Sequence[Sequence[int]],
+    rewards: Sequence[RewardRecord],
+    call_seq: Mapping[str, int] | None = None,
+    gamma: float = 1.0,
+) -> list[float]:
+    """One reward per triplet of one attempt, by `mode`."""
+    n = len(triplet_seqs)
+    if mode == "per_call":
+        return per_call(triplet_seqs, rewards, call_seq or {})
+    final = final_reward(rewards)
+    if final is None:
+        raise ValueError("attempt has no reward: the reader only selects rewarded attempts")
+    if mode == "identical":
+        return identical(final, n)
+    if mode == "last_only":
+        return last_only(final, n)
+    if mode == "discounted":
+        return discounted(final, n, gamma)
+    raise ValueError(f"unknown credit mode {mode!r}")
