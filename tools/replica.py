@@ -24,7 +24,6 @@ import urllib.request
 from collections import deque
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -113,13 +112,9 @@ class VllmReplica:
 
     def environment(self) -> dict[str, str]:
         env = dict(os.environ)
-        env.update(
-            VLLM_CPU_KVCACHE_SPACE="1",  # GiB of KV cache; the CPU default reserves far more
-            HF_HUB_OFFLINE="1",
-            HF_HUB_DISABLE_UPDATE_CHECK="1",
-            VLLM_NO_USAGE_STATS="1",
-            VLLM_DO_NOT_TRACK="1",
-        )
+        # KV cache in GiB: the CPU default would reserve far more than a tiny model needs.
+        env.update(VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1")
+        env.update(HF_HUB_DISABLE_UPDATE_CHECK="1", VLLM_DO_NOT_TRACK="1")
         if self.enable_lora:
             env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"  # /v1/load_lora_adapter
         if self.dev_mode:
@@ -211,14 +206,13 @@ class VllmReplica:
                 raise
         return self
 
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:  # fmt: skip
+    def __exit__(self, *exc_info: object) -> None:
         self.stop()
 
 
-def start_replicas(n: int, model: Path | str, *, timeout_s: float = 300.0, **kwargs: Any) -> list[VllmReplica]:
+def start_replicas(
+    n: int, model: Path | str, *, timeout_s: float = 300.0, **kwargs: Any
+) -> list[VllmReplica]:
     """Start ``n`` replicas concurrently: launch all, then wait for all.
 
     ``kwargs`` go to ``VllmReplica`` (``port`` is chosen per replica and must not be
@@ -259,11 +253,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("extra", nargs=argparse.REMAINDER, help="-- then extra vLLM arguments")
     args = p.parse_args(argv)
     replica = VllmReplica(
-        args.model, served_model_name=args.served_name, port=args.port,
+        args.model,
+        served_model_name=args.served_name,
+        port=args.port,
         extra_args=args.extra[1:] if args.extra[:1] == ["--"] else args.extra,
-        enable_lora=args.enable_lora, dev_mode=args.dev_mode,
-        max_model_len=args.max_model_len, dtype=args.dtype,
-    )  # fmt: skip
+        enable_lora=args.enable_lora,
+        dev_mode=args.dev_mode,
+        max_model_len=args.max_model_len,
+        dtype=args.dtype,
+    )
     signal.signal(signal.SIGINT, _raise_stop)
     signal.signal(signal.SIGTERM, _raise_stop)
     try:

@@ -16,6 +16,10 @@ import os
 import shutil
 import string
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # heavy imports stay lazy: `import tools.tiny_model` must be cheap
+    from transformers import PreTrainedTokenizerFast
 
 # Bump when the recipe changes so stale directories are rebuilt, not reused.
 RECIPE_VERSION = 3
@@ -39,14 +43,19 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
-_SUBJECTS = ["the cat", "a dog", "the model", "my friend", "the user", "an agent",
-             "the server", "a student", "the teacher", "our team"]
-_VERBS = ["reads", "writes", "sees", "likes", "answers", "finds", "checks",
-          "builds", "tests", "sends"]
-_OBJECTS = ["a book", "the code", "a short note", "the answer", "some numbers",
-            "a new idea", "the tokens", "a simple plan", "the question", "a reply"]
-_TAILS = ["today.", "again.", "very fast.", "with care.", "at night.",
-          "in the morning.", "for the test.", "one more time.", "without errors.", "and smiles."]
+# Sentence parts for the synthetic corpus; "|" separates entries.
+_SUBJECTS = (
+    "the cat|a dog|the model|my friend|the user|an agent|the server|a student|the teacher|our team"
+).split("|")
+_VERBS = "reads|writes|sees|likes|answers|finds|checks|builds|tests|sends".split("|")
+_OBJECTS = (
+    "a book|the code|a short note|the answer|some numbers|"
+    "a new idea|the tokens|a simple plan|the question|a reply"
+).split("|")
+_TAILS = (
+    "today.|again.|very fast.|with care.|at night.|"
+    "in the morning.|for the test.|one more time.|without errors.|and smiles."
+).split("|")
 _EXTRA = [
     "What is 7 + 5? The answer is 12.",
     "Hello! How are you? I am fine, thank you.",
@@ -66,7 +75,8 @@ def training_text() -> list[str]:
     # without any randomness, so the BPE merges are stable across runs.
     for i in range(300):
         s = _SUBJECTS[i % 10].capitalize()
-        lines.append(f"{s} {_VERBS[(i * 3) % 10]} {_OBJECTS[(i * 7) % 10]} {_TAILS[(i // 10) % 10]}")
+        verb, obj, tail = _VERBS[(i * 3) % 10], _OBJECTS[(i * 7) % 10], _TAILS[(i // 10) % 10]
+        lines.append(f"{s} {verb} {obj} {tail}")
     lines.extend(_EXTRA * 5)
     lines.append(string.printable)  # every printable ASCII byte is seen at least once
     return lines
@@ -89,7 +99,8 @@ def _ascii_alphabet() -> list[str]:
     return sorted(chars)
 
 
-def build_tokenizer() -> "PreTrainedTokenizerFast":  # type: ignore[name-defined]  # noqa: F821
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    """Train the byte-level BPE on ``training_text()`` and wrap it for transformers."""
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -99,10 +110,12 @@ def build_tokenizer() -> "PreTrainedTokenizerFast":  # type: ignore[name-defined
     # directory is read by vLLM, transformers 5, or transformers 4 (tokenizer.json).
     tok = Tokenizer(models.BPE())
     tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=VOCAB_SIZE,
@@ -111,7 +124,7 @@ def build_tokenizer() -> "PreTrainedTokenizerFast":  # type: ignore[name-defined
         show_progress=False,
     )
     tok.train_from_iterator(training_text(), trainer=trainer)
-    fast = PreTrainedTokenizerFast(
+    fast = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
         tokenizer_object=tok,
         eos_token=IM_END,  # chat turns end with <|im_end|>, so generation stops there
         pad_token=ENDOFTEXT,
@@ -167,8 +180,8 @@ def build_tiny_model(out_dir: Path, *, seed: int = 0) -> Path:
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
     tokenizer = build_tokenizer()
-    eos_id = tokenizer.convert_tokens_to_ids(IM_END)
-    pad_id = tokenizer.convert_tokens_to_ids(ENDOFTEXT)
+    eos_id = int(tokenizer.convert_tokens_to_ids(IM_END))  # type: ignore[arg-type]
+    pad_id = int(tokenizer.convert_tokens_to_ids(ENDOFTEXT))  # type: ignore[arg-type]
     config = Qwen2Config(
         vocab_size=len(tokenizer),  # exact: vLLM must never sample an ID the tokenizer lacks
         hidden_size=128,
@@ -191,8 +204,9 @@ def build_tiny_model(out_dir: Path, *, seed: int = 0) -> Path:
     # Seed only a private generator state: callers' global RNG stays untouched.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = Qwen2ForCausalLM(config).to(torch.float32)
-    model.generation_config = GenerationConfig(
+        model = Qwen2ForCausalLM(config)  # type: ignore[no-untyped-call]
+    model.float()  # type: ignore[no-untyped-call]
+    model.generation_config = GenerationConfig(  # type: ignore[no-untyped-call]
         bos_token_id=pad_id, eos_token_id=eos_id, pad_token_id=pad_id
     )
 

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from sqlalchemy.ext.asyncio import AsyncConnection
 
@@ -55,6 +55,14 @@ class FinishIn(BaseModel):
         return value
 
 
+def attempt_key(rollout_id: str, attempt_id: str) -> tuple[str, str]:
+    """Path ids, checked before the body is parsed so a bad id is reported as such."""
+    return check_id(rollout_id, "rollout_id"), check_id(attempt_id, "attempt_id")
+
+
+AttemptKey = Annotated[tuple[str, str], Depends(attempt_key)]
+
+
 def _collaborators(request: Request) -> tuple[Recorder, ProxySettings]:
     return request.app.state.recorder, request.app.state.settings.proxy
 
@@ -82,9 +90,8 @@ async def register_rollout(body: RolloutIn, request: Request) -> dict[str, Any]:
 
 
 @router.post("/rollout/{rollout_id}/attempt/{attempt_id}/reward")
-async def post_reward(rollout_id: str, attempt_id: str, body: RewardIn, request: Request) -> dict[str, Any]:
+async def post_reward(key: AttemptKey, body: RewardIn, request: Request) -> dict[str, Any]:
     recorder, settings = _collaborators(request)
-    key = (check_id(rollout_id, "rollout_id"), check_id(attempt_id, "attempt_id"))
     if body.call_id is not None:
         await _barrier(recorder, key, settings.finish_timeout_s)  # the call must be readable to be named
 
@@ -97,10 +104,9 @@ async def post_reward(rollout_id: str, attempt_id: str, body: RewardIn, request:
 
 
 @router.post("/rollout/{rollout_id}/attempt/{attempt_id}/finish")
-async def finish(rollout_id: str, attempt_id: str, body: FinishIn, request: Request) -> dict[str, Any]:
+async def finish(key: AttemptKey, body: FinishIn, request: Request) -> dict[str, Any]:
     """Returns only once every call of the attempt that reached this proxy is committed."""
     recorder, settings = _collaborators(request)
-    key = (check_id(rollout_id, "rollout_id"), check_id(attempt_id, "attempt_id"))
     await _barrier(recorder, key, settings.finish_timeout_s)
 
     async def op(conn: AsyncConnection) -> None:
@@ -112,9 +118,8 @@ async def finish(rollout_id: str, attempt_id: str, body: FinishIn, request: Requ
 
 
 @router.get("/rollout/{rollout_id}/attempt/{attempt_id}")
-async def get_attempt(rollout_id: str, attempt_id: str, request: Request) -> dict[str, Any]:
+async def get_attempt(key: AttemptKey, request: Request) -> dict[str, Any]:
     recorder, settings = _collaborators(request)
-    key = (check_id(rollout_id, "rollout_id"), check_id(attempt_id, "attempt_id"))
     # Calls that already answered should be visible even before `finish`.
     await _barrier(recorder, key, settings.finish_timeout_s)
     async with request.app.state.reader.connect() as conn:

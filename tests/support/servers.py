@@ -8,6 +8,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI
@@ -34,12 +35,12 @@ class RunningProxy:
 
 
 @contextmanager
-def run_proxy(settings: Settings, *, startup_timeout_s: float = 60.0) -> Iterator[RunningProxy]:
-    """Serve `create_app(settings)` for the duration of the block (graceful stop at exit)."""
-    port = settings.proxy.port or free_port()
-    app = create_app(settings)
+def serve_in_thread(app: Any, *, port: int = 0, graceful_s: int = 10,
+                    startup_timeout_s: float = 60.0) -> Iterator[tuple[str, uvicorn.Server]]:
+    """Serve an ASGI app with a real uvicorn server for the duration of the block."""
+    port = port or free_port()
     config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", access_log=False,
-                            lifespan="on", timeout_graceful_shutdown=int(settings.proxy.shutdown_timeout_s))
+                            lifespan="on", timeout_graceful_shutdown=graceful_s)
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, name=f"proxy-{port}", daemon=True)
     thread.start()
@@ -51,7 +52,15 @@ def run_proxy(settings: Settings, *, startup_timeout_s: float = 60.0) -> Iterato
             raise TimeoutError("proxy did not start in time")
         time.sleep(0.02)
     try:
-        yield RunningProxy(f"http://127.0.0.1:{port}", app, server, settings)
+        yield f"http://127.0.0.1:{port}", server
     finally:
         server.should_exit = True
-        thread.join(timeout=settings.proxy.shutdown_timeout_s + 30)
+        thread.join(timeout=graceful_s + 30)
+
+
+@contextmanager
+def run_proxy(settings: Settings) -> Iterator[RunningProxy]:
+    """Serve `create_app(settings)` for the duration of the block (graceful stop at exit)."""
+    app = create_app(settings)
+    with serve_in_thread(app, port=settings.proxy.port, graceful_s=int(settings.proxy.shutdown_timeout_s)) as (url, server):
+        yield RunningProxy(url, app, server, settings)

@@ -83,4 +83,5 @@ def test_build_is_deterministic_and_cached(model_dir: Path, tmp_path: Path) -> N
     assert (other / "model.safetensors").stat().st_mtime_ns == mtime
     build_tiny_model(other, seed=1)  # another seed: rebuilt with different weights
     assert json.loads((other / MARKER_FILE).read_text())["seed"] == 1
-    assert (other / "model.safetensors").read_bytes() != (model_dir / "model.safetensors").read_bytes()
+    weights = (other / "model.safetensors").read_bytes()
+    assert weights != (model_dir / "model.safetensors").read_bytes()

@@ -1,0 +1,69 @@
+"""A client that leaves mid-stream: partial record with its status, upstream request cancelled."""
+
+from __future__ import annotations
+
+import re
+import time
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.conftest import ProxyFactory
+from tests.support.fault_replica import FaultReplica
+from tests.support.servers import serve_in_thread
+
+
+def _aborted(replica_url: str) -> float:
+    text = httpx.get(f"{replica_url}/metrics").text
+    match = re.search(r'^vllm:request_success_total\{[^}]*finished_reason="abort"[^}]*\} ([0-9.e+]+)$', text, re.M)
+    assert match, "vLLM exposes no abort counter"
+    return float(match.group(1))
+
+
+def _wait(predicate: Any, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.05)
+
+
+@pytest.mark.vllm
+def test_disconnect_mid_stream_vllm(vllm_replica: Any, proxy_for: ProxyFactory) -> None:
+    aborted_before = _aborted(vllm_replica.url)
+    body = {"model": "m", "messages": [{"role": "user", "content": "go on forever"}], "stream": True,
+            "max_tokens": 400, "ignore_eos": True, "temperature": 0}
+    with proxy_for([vllm_replica.url]) as proxy:
+        with httpx.stream("POST", f"{proxy.base_url('d1', 'a1')}/chat/completions", json=body, timeout=60) as r:
+            assert r.status_code == 200
+            seen = 0
+            for chunk in r.iter_raw():
+                seen += chunk.count(b"data: ")
+                if seen >= 3:
+                    break  # leaving the block closes the connection mid-stream
+        _wait(lambda: _aborted(vllm_replica.url) > aborted_before)  # the replica stopped generating
+        attempt = httpx.get(f"{proxy.url}/rollout/d1/attempt/a1").json()
+    (call,) = attempt["calls"]
+    assert call["status"] == "client_disconnected"
+    assert call["error"]["type"] == "client_disconnected"
+    assert 1 <= len(call["completion_token_ids"]) < 400
+    assert len(call["completion_logprobs"]) == len(call["completion_token_ids"])
+    assert call["prompt_token_ids"]
+
+
+def test_disconnect_cancels_upstream(proxy_for: ProxyFactory) -> None:
+    replica = FaultReplica()
+    with serve_in_thread(replica) as (url, _), proxy_for([url]) as proxy:
+        body = {"model": "m", "messages": [], "stream": True, "max_tokens": 50, "fault": {"delay_s": 0.05}}
+        with httpx.stream("POST", f"{proxy.base_url('d2', 'a1')}/chat/completions", json=body) as r:
+            got = b""
+            for chunk in r.iter_raw():
+                got += chunk
+                if got.count(b"data: ") >= 2:
+                    break
+        _wait(lambda: replica.stats.disconnects == 1)
+        attempt = httpx.get(f"{proxy.url}/rollout/d2/attempt/a1").json()
+    assert replica.stats.completed == 0
+    (call,) = attempt["calls"]
+    assert call["status"] == "client_disconnected"
+    assert 2 <= len(call["completion_token_ids"]) < 50

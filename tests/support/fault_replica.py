@@ -1,0 +1,120 @@
+"""A fault-injecting replica for what vLLM cannot be made to show on demand.
+
+Raw ASGI, vLLM-shaped. A request's `"fault"` object (the proxy forwards it untouched)
+picks the behaviour:
+  {"status": 500}                      answer with that HTTP error (OpenAI shape)
+  {"delay_s": 0.2}                     wait before each streamed chunk
+  {"drop_after": 3}                    send 3 chunks, then cut the connection
+  {"chunks": ["data: ...", ...]}      stream exactly these byte strings (odd boundaries welcome)
+`stats` counts requests and how many streams ended because the client went away.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+MODEL = "fault-model"
+
+
+def chat_chunk(i: int, *, first: bool = False, last: bool = False) -> bytes:
+    choice: dict[str, Any] = {"index": 0, "delta": {"content": f"t{i} "}, "finish_reason": "length" if last else None,
+                              "token_ids": [100 + i],
+                              "logprobs": {"content": [{"token": f"t{i} ", "logprob": -0.5 - i / 100,
+                                                        "bytes": [], "top_logprobs": []}]}}
+    body: dict[str, Any] = {"id": "chatcmpl-fault", "object": "chat.completion.chunk", "created": 1,
+                            "model": MODEL, "choices": [choice]}
+    if first:
+        body["prompt_token_ids"] = [1, 2, 3]
+    return b"data: " + orjson.dumps(body) + b"\n\n"
+
+
+@dataclass
+class FaultStats:
+    requests: int = 0
+    disconnects: int = 0
+    completed: int = 0
+    bodies: list[dict[str, Any]] = field(default_factory=list)
+
+
+class FaultReplica:
+    def __init__(self) -> None:
+        self.stats = FaultStats()
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            while (await receive())["type"] != "lifespan.shutdown":
+                await send({"type": "lifespan.startup.complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        path = scope["path"]
+        if path == "/health":
+            await self._json(send, 200, {})
+            return
+        if path == "/v1/models":
+            await self._json(send, 200, {"object": "list", "data": [{"id": MODEL, "object": "model"}]})
+            return
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        request = orjson.loads(body) if body else {}
+        self.stats.requests += 1
+        self.stats.bodies.append(request)
+        fault = request.get("fault") or {}
+        if "status" in fault:
+            await self._json(send, fault["status"], {"error": {"message": "injected", "type": "injected",
+                                                               "param": None, "code": fault["status"]}})
+            return
+        if not request.get("stream"):
+            await self._json(send, 200, {"id": "chatcmpl-fault", "object": "chat.completion", "model": MODEL,
+                                         "prompt_token_ids": [1, 2, 3],
+                                         "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"},
+                                                      "finish_reason": "stop", "token_ids": [7],
+                                                      "logprobs": {"content": [{"token": "ok", "logprob": -0.1}]}}]})
+            return
+        await self._stream(send, receive, request, fault)
+
+    async def _stream(self, send: Any, receive: Any, request: dict[str, Any], fault: dict[str, Any]) -> None:
+        n = int(request.get("max_tokens") or 8)
+        chunks: list[bytes] = [c.encode() for c in fault["chunks"]] if "chunks" in fault else [
+            chat_chunk(i, first=i == 0, last=i == n - 1) for i in range(n)] + [b"data: [DONE]\n\n"]
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream; charset=utf-8")]})
+        gone = asyncio.Event()
+
+        async def watch() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            gone.set()
+
+        watcher = asyncio.create_task(watch())
+        try:
+            for i, chunk in enumerate(chunks):
+                if "drop_after" in fault and i == fault["drop_after"]:
+                    raise ConnectionAbortedError("injected: connection cut mid-stream")
+                if fault.get("delay_s"):
+                    try:
+                        await asyncio.wait_for(gone.wait(), fault["delay_s"])
+                    except TimeoutError:
+                        pass
+                if gone.is_set():
+                    self.stats.disconnects += 1
+                    return
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            self.stats.completed += 1
+        finally:
+            watcher.cancel()
+
+    @staticmethod
+    async def _json(send: Any, status: int, body: Any) -> None:
+        data = orjson.dumps(body)
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]})
+        await send({"type": "http.response.body", "body": data})

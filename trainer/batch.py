@@ -1,0 +1,155 @@
+"""Samples to a training batch in verl's layout (the keys `verl.trainer.ppo` reads).
+
+This module owns padding and the batch's shape; it computes no advantages or losses
+(those are verl's `core_algos`). Shapes, with B rows, P the longest prompt, R the
+longest response in the batch:
+
+    prompts            (B, P)    int64  left-padded with `pad_token_id`
+    responses          (B, R)    int64  right-padded
+    input_ids          (B, P+R)  int64  prompts ++ responses
+    attention_mask     (B, P+R)  int64  1 on every real token (masked turns included)
+    position_ids       (B, P+R)  int64  0.. over real tokens (cumsum of attention_mask - 1)
+    response_mask      (B, R)    int64  1 on generated tokens only: what the loss sees
+    token_level_scores (B, R)    float32  the triplet's reward on its last response token
+    token_level_rewards(B, R)    float32  same (a KL-in-reward step would subtract from it)
+    rollout_log_probs  (B, R)    float32  the replica's logprobs; 0 where masked or unknown
+    has_rollout_log_probs (B,)   bool   False for re-tokenised triplets and padding rows
+    is_pad             (B,)      bool   rows added to round the batch
+  non-tensor (numpy object arrays): uid (= group id), rollout_id, attempt_id, policy_version
+
+Rounding to a multiple of `mini_batch_size`: `pad` (default) appends copies of real
+rows with an all-zero `response_mask` and zero reward, each with its own uid, so they
+add nothing to the loss nor to any group's GRPO statistics while keeping realistic
+lengths for micro-batching; `drop` removes the last rows instead (their attempts stay
+consumed by the step: use it only when losing a few rows is acceptable).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+import numpy as np
+import torch
+
+from trainer.data import Sample
+
+if TYPE_CHECKING:
+    from verl import DataProto
+
+__all__ = ["Batch", "build_batch", "round_rows"]
+
+PAD_UID = "__pad__"
+
+
+@dataclass(slots=True)
+class Batch:
+    """A batch as plain tensors (usable without verl) and, on demand, as a `verl.DataProto`."""
+
+    tensors: dict[str, torch.Tensor]
+    non_tensors: dict[str, np.ndarray]
+    meta_info: dict[str, Any] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return int(self.tensors["responses"].shape[0])
+
+    def to_dataproto(self) -> DataProto:
+        """The same data as a `verl.DataProto` (raises ImportError without verl)."""
+        from verl import DataProto
+
+        return DataProto.from_dict(
+            tensors=dict(self.tensors), non_tensors=dict(self.non_tensors), meta_info=dict(self.meta_info)
+        )
+
+    def as_verl_or_dict(self) -> DataProto | dict[str, Any]:
+        """A DataProto when verl is importable, else one dict of tensors and numpy arrays."""
+        try:
+            return self.to_dataproto()
+        except ImportError:
+            return {**self.tensors, **self.non_tensors}
+
+
+def round_rows(num_rows: int, mini_batch_size: int, mode: Literal["pad", "drop"]) -> int:
+    """How many rows a batch of `num_rows` has after rounding to a multiple of `mini_batch_size`."""
+    if mode == "pad":
+        return -(-num_rows // mini_batch_size) * mini_batch_size
+    rows = num_rows // mini_batch_size * mini_batch_size
+    if rows == 0:
+        raise ValueError(f"batch_round=drop: {num_rows} rows is fewer than one mini-batch ({mini_batch_size})")
+    return rows
+
+
+def build_batch(
+    samples: Sequence[Sample],
+    *,
+    mini_batch_size: int = 1,
+    batch_round: Literal["pad", "drop"] = "pad",
+    pad_token_id: int = 0,
+) -> Batch:
+    """Pad `samples` into verl's layout; see the module docstring for shapes and rounding."""
+    if not samples:
+        raise ValueError("no samples to batch")
+    rows = round_rows(len(samples), mini_batch_size, batch_round)
+    real = list(samples[:rows])
+    # Padding rows repeat real rows cyclically (realistic lengths), flagged and neutralised below.
+    chosen = real + [real[i % len(real)] for i in range(rows - len(real))]
+    is_pad = torch.tensor([i >= len(real) for i in range(rows)], dtype=torch.bool)
+
+    p_len = max(len(s.triplet.prompt_ids) for s in chosen)
+    r_len = max(len(s.triplet.response_ids) for s in chosen)
+    prompts = torch.full((rows, p_len), pad_token_id, dtype=torch.int64)
+    responses = torch.full((rows, r_len), pad_token_id, dtype=torch.int64)
+    prompt_attn = torch.zeros((rows, p_len), dtype=torch.int64)
+    response_attn = torch.zeros((rows, r_len), dtype=torch.int64)
+    response_mask = torch.zeros((rows, r_len), dtype=torch.int64)
+    scores = torch.zeros((rows, r_len), dtype=torch.float32)
+    logprobs = torch.zeros((rows, r_len), dtype=torch.float32)
+    has_logprobs = torch.zeros(rows, dtype=torch.bool)
+
+    for i, s in enumerate(chosen):
+        t = s.triplet
+        n_p, n_r = len(t.prompt_ids), len(t.response_ids)
+        prompts[i, p_len - n_p :] = torch.tensor(t.prompt_ids, dtype=torch.int64)
+        prompt_attn[i, p_len - n_p :] = 1
+        responses[i, :n_r] = torch.tensor(t.response_ids, dtype=torch.int64)
+        response_attn[i, :n_r] = 1
+        if is_pad[i]:
+            continue  # no loss, no reward, no logprobs
+        response_mask[i, :n_r] = torch.tensor(t.response_mask, dtype=torch.int64)
+        # The last response token is always generated: a triplet ends with a completion.
+        scores[i, n_r - 1] = s.reward
+        if t.response_logprobs is not None:
+            logprobs[i, :n_r] = torch.tensor(t.response_logprobs, dtype=torch.float32)
+            has_logprobs[i] = True
+
+    attention_mask = torch.cat([prompt_attn, response_attn], dim=1)
+    position_ids = torch.clamp(torch.cumsum(attention_mask, dim=1) - 1, min=0)
+    tensors = {
+        "prompts": prompts,
+        "responses": responses,
+        "input_ids": torch.cat([prompts, responses], dim=1),
+        "attention_mask": attention_mask,
+        "position_ids": position_ids,
+        "response_mask": response_mask,
+        "token_level_scores": scores,
+        "token_level_rewards": scores.clone(),
+        "rollout_log_probs": logprobs,
+        "has_rollout_log_probs": has_logprobs,
+        "is_pad": is_pad,
+    }
+
+    def objects(values: list[Any]) -> np.ndarray:
+        arr = np.empty(len(values), dtype=object)
+        arr[:] = values
+        return arr
+
+    uids = [s.group_id if not is_pad[i] else f"{PAD_UID}{i}" for i, s in enumerate(chosen)]
+    non_tensors = {
+        "uid": objects(uids),
+        "rollout_id": objects([s.rollout_id for s in chosen]),
+        "attempt_id": objects([s.attempt_id for s in chosen]),
+        "policy_version": objects([s.triplet.policy_version for s in chosen]),
+    }
+    meta = {"num_real_rows": len(real), "num_samples": len(samples)}
+    return Batch(tensors, non_tensors, meta)
