@@ -122,7 +122,7 @@ def _token(i: int) -> tuple[str, int]:
 class Prepared:
     """One canned response, kept both as ASGI parts and as complete wire bytes."""
 
-    __slots__ = ("status", "content_type", "parts", "streamed", "has_id", "wire", "wire_close", "cuts", "cuts_close")
+    __slots__ = ("content_type", "cuts", "cuts_close", "has_id", "parts", "status", "streamed", "wire", "wire_close")
 
     def __init__(self, status: int, content_type: bytes, parts: Iterable[bytes], *, streamed: bool) -> None:
         self.status = status
@@ -183,7 +183,9 @@ class Replica:
         self._cache: dict[tuple[bool, bool, int, bool], Prepared] = {}
         self._health = Prepared(200, _JSON, [b""], streamed=False)
         self._models = Prepared(200, _JSON, [_json(self._models_body())], streamed=False)
-        self._metrics = Prepared(200, b"text/plain; version=0.0.4; charset=utf-8", [self._metrics_body()], streamed=False)
+        self._metrics = Prepared(
+            200, b"text/plain; version=0.0.4; charset=utf-8", [self._metrics_body()], streamed=False
+        )
         self._not_found = Prepared(404, _JSON, [b'{"detail":"Not Found"}'], streamed=False)
         self._not_allowed = Prepared(405, _JSON, [b'{"detail":"Method Not Allowed"}'], streamed=False)
         self._get_routes = {b"/health": self._health, b"/v1/models": self._models, b"/metrics": self._metrics}
@@ -229,7 +231,7 @@ class Replica:
         return {"object": "list", "data": [card]}
 
     def _metrics_body(self) -> bytes:
-        label = '{model_name="%s"}' % self.model_name
+        label = f'{{model_name="{self.model_name}"}}'
         lines = []
         for name, help_text in (
             ("vllm:num_requests_running", "Number of requests in model execution batches."),
@@ -301,7 +303,12 @@ class Replica:
                 head
                 | {
                     "choices": [
-                        {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                        {
+                            "index": 0,
+                            "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
                     ],
                     "prompt_token_ids": list(PROMPT_TOKEN_IDS),
                 }
@@ -392,7 +399,7 @@ class Replica:
 
 
 class _Options:
-    __slots__ = ("delay_s", "token_delay_s", "split_stream")
+    __slots__ = ("delay_s", "split_stream", "token_delay_s")
 
     def __init__(self, delay_ms: float, token_delay_ms: float, split_stream: bool) -> None:
         self.delay_s = delay_ms / 1000.0
@@ -403,7 +410,7 @@ class _Options:
 
 def _dechunk(data: bytes, pos: int) -> tuple[bytes, int] | None:
     """Decode a chunked request body starting at ``pos``; None if incomplete."""
-    out = []
+    out: list[bytes] = []
     n = len(data)
     while True:
         eol = data.find(b"\r\n", pos)
@@ -429,7 +436,7 @@ def _dechunk(data: bytes, pos: int) -> tuple[bytes, int] | None:
 class _HttpProtocol(asyncio.Protocol):
     """One connection. Synchronous fast path; a task only when a delay is configured."""
 
-    __slots__ = ("_replica", "_opts", "_t", "_buf", "_busy", "_sent_continue", "_task")
+    __slots__ = ("_buf", "_busy", "_opts", "_replica", "_sent_continue", "_t", "_task")
 
     def __init__(self, replica: Replica, opts: _Options) -> None:
         self._replica = replica

@@ -53,8 +53,14 @@ from typing import Any, Literal, Protocol
 
 import orjson
 
-ClientKind = Literal["httpx", "aiohttp"]
-CLIENTS: tuple[ClientKind, ...] = ("httpx", "aiohttp")
+ClientKind = Literal["httpx", "aiohttp", "httpx2", "none"]
+# httpx2 (pydantic's fork of httpx, pulled in by recent `openai` releases) is an
+# optional third candidate: same API, reworked connection pool. "none" is the
+# floor: the same uvicorn + Starlette app replaying a cached upstream response
+# without any upstream I/O, so "client X - none" is what client X itself costs.
+# Neither runs by default.
+CLIENTS: tuple[ClientKind, ...] = ("httpx", "aiohttp", "httpx2", "none")
+DEFAULT_CLIENTS: tuple[ClientKind, ...] = ("httpx", "aiohttp")
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 # --- production-shaped client settings, shared by both forwarders ---------------
@@ -90,12 +96,15 @@ class Forwarder(Protocol):
 
 
 class HttpxForwarder:
-    """One shared ``httpx.AsyncClient`` (HTTP/1.1, pooled, keep-alive)."""
+    """One shared ``httpx.AsyncClient`` (HTTP/1.1, pooled, keep-alive).
 
-    def __init__(self, upstream: str, max_connections: int) -> None:
-        import httpx
+    ``module`` is "httpx" or "httpx2" (API-compatible fork).
+    """
 
-        self._httpx = httpx
+    def __init__(self, upstream: str, max_connections: int, module: str = "httpx") -> None:
+        import importlib
+
+        self._httpx = importlib.import_module(module)
         self._upstream = upstream
         self._max_connections = max_connections
         self._client: Any = None
@@ -160,6 +169,64 @@ class HttpxForwarder:
         return StreamingResponse(
             chunks(), r.status_code, media_type=r.headers.get("content-type"), background=BackgroundTask(r.aclose)
         )
+
+
+class NullForwarder:
+    """No upstream I/O: replays the first upstream response seen for each request body.
+
+    Streams are replayed one SSE event per ASGI send, the arrival pattern of an
+    unloaded replica, so this is the framework's cost with per-event sends.
+    """
+
+    def __init__(self, upstream: str) -> None:
+        self._upstream = upstream
+        self._cache: dict[tuple[str, bytes], tuple[int, str, list[bytes]]] = {}
+
+    async def start(self) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
+
+    def _fetch(self, path: str, body: bytes) -> tuple[int, str, list[bytes]]:
+        host, port = self._upstream.removeprefix("http://").split(":")
+        conn = http.client.HTTPConnection(host, int(port), timeout=10)
+        try:
+            conn.request("POST", path, body, UPSTREAM_HEADERS)
+            resp = conn.getresponse()
+            data = resp.read()
+            ctype = resp.getheader("content-type", "")
+            if not ctype.startswith("text/event-stream"):
+                return resp.status, ctype, [data]
+            return resp.status, ctype, [e + b"\n\n" for e in data.split(b"\n\n") if e]
+        finally:
+            conn.close()
+
+    async def _get(self, path: str, body: bytes) -> tuple[int, str, list[bytes]]:
+        import asyncio
+
+        key = (path, body)
+        hit = self._cache.get(key)
+        if hit is None:
+            hit = self._cache[key] = await asyncio.to_thread(self._fetch, path, body)
+        return hit
+
+    async def forward(self, path: str, body: bytes) -> Any:
+        from starlette.responses import Response
+
+        status, ctype, events = await self._get(path, body)
+        return Response(b"".join(events), status, media_type=ctype)
+
+    async def stream(self, path: str, body: bytes) -> Any:
+        from starlette.responses import StreamingResponse
+
+        status, ctype, events = await self._get(path, body)
+
+        async def chunks() -> AsyncIterator[bytes]:
+            for e in events:
+                yield e
+
+        return StreamingResponse(chunks(), status, media_type=ctype)
 
 
 class AiohttpForwarder:
@@ -249,9 +316,13 @@ def build_app(client: ClientKind, upstream: str, max_connections: int = DEFAULT_
     from starlette.responses import Response
     from starlette.routing import Route
 
-    fwd: Forwarder = HttpxForwarder(upstream, max_connections) if client == "httpx" else AiohttpForwarder(
-        upstream, max_connections
-    )
+    fwd: Forwarder
+    if client == "aiohttp":
+        fwd = AiohttpForwarder(upstream, max_connections)
+    elif client == "none":
+        fwd = NullForwarder(upstream)
+    else:
+        fwd = HttpxForwarder(upstream, max_connections, module=client)
 
     async def completions(request: Request) -> Response:
         body = await request.body()
@@ -531,7 +602,13 @@ def run_benchmark(
                         r = run_wrk(url, body, conc, duration_s, lua.name)
                         cpu = (_cpu_seconds(pid) - cpu0) / r["requests"] * 1e6 if pid else None
                         by_target[name] = Cell(
-                            mode, conc, name, r["rps"], r["p50_us"] / 1e3, r["p99_us"] / 1e3, cpu,
+                            mode,
+                            conc,
+                            name,
+                            r["rps"],
+                            r["p50_us"] / 1e3,
+                            r["p99_us"] / 1e3,
+                            cpu,
                             int(r["errors"] + r["non2xx"]),
                         )
                         log(f"  rep {rep + 1} {mode:10s} c={conc:<3d} {name:8s} {r['rps']:9,.0f} req/s")
@@ -572,7 +649,7 @@ def main(argv: list[str] | None = None) -> None:
         return
 
     p = argparse.ArgumentParser(prog="python -m bench.upstream_client", description=__doc__.split("\n\n")[0])
-    p.add_argument("--clients", default=",".join(CLIENTS))
+    p.add_argument("--clients", default=",".join(DEFAULT_CLIENTS), help=f"comma-separated subset of {CLIENTS}")
     p.add_argument("--concurrency", default="1,32")
     p.add_argument("--modes", default="non-stream,stream")
     p.add_argument("--duration", type=int, default=6, help="seconds per measured cell (wrk takes whole seconds)")
@@ -591,8 +668,10 @@ def main(argv: list[str] | None = None) -> None:
     modes = [m for m in ("non-stream", "stream") if m in a.modes.split(",")]
 
     print(f"# {datetime.datetime.now().isoformat(timespec='seconds')} on {_machine()}")
-    print(f"# load: wrk -t1, {a.duration:g} s/cell after {a.warmup:g} s warm-up, max_tokens={a.max_tokens}, "
-          f"stream writes={'burst' if a.burst_stream else 'per event'}")
+    print(
+        f"# load: wrk -t1, {a.duration:g} s/cell after {a.warmup:g} s warm-up, max_tokens={a.max_tokens}, "
+        f"stream writes={'burst' if a.burst_stream else 'per event'}"
+    )
     runs = run_benchmark(
         clients=clients,
         concurrencies=concurrencies,

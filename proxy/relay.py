@@ -264,6 +264,15 @@ class Relay:
             record.error = error if isinstance(error, dict) else {"message": str(error)}
 
 
+def _is_terminal(chunk: bytes) -> bool:
+    """Does this chunk end the event stream (OpenAI's `[DONE]`, Anthropic's `message_stop`)?
+
+    Both markers are safe from false positives: inside a JSON string, generated text has
+    its quotes escaped, and `[DONE]` only counts as a whole final data line.
+    """
+    return chunk.rstrip().endswith(b"data: [DONE]") or b'{"type":"message_stop"' in chunk
+
+
 class RelayStream(Response):
     """An ASGI response that relays an SSE stream chunk by chunk and always records it.
 
@@ -312,6 +321,10 @@ class RelayStream(Response):
                         else:
                             call.truncated = True
                         await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                        # Clients hang up on the terminal event without waiting for the
+                        # replica to close the stream: from here on, leaving is not a disconnect.
+                        if _is_terminal(chunk):
+                            is_complete = True
                     is_complete = True
                     await send({"type": "http.response.body", "body": b"", "more_body": False})
                 except (aiohttp.ClientError, TimeoutError, OSError) as exc:

@@ -13,12 +13,13 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, SecretStr, field_validator
 from pydantic_settings import (
     BaseSettings,
     JsonConfigSettingsSource,
+    NoDecode,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
     TomlConfigSettingsSource,
@@ -84,7 +85,9 @@ class ProxySettings(BaseModel):
 
     host: str = Field(default="127.0.0.1", description="Interface to listen on.")
     port: int = Field(default=8000, ge=0, le=65535, description="Port to listen on.")
-    replicas: list[str] = Field(
+    # NoDecode: the env source would JSON-decode a list field and reject "url1,url2";
+    # `_split_replicas` below accepts both forms.
+    replicas: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
         description="Base URLs of the vLLM replicas (`http://host:port`, no `/v1`). "
         "In the environment: a JSON list or comma-separated URLs.",

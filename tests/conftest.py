@@ -6,6 +6,7 @@ import os
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -39,8 +40,17 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def vllm_replica(tiny_model_dir: Path) -> Iterator[Any]:
-    """A real CPU vLLM server on loopback serving the tiny model; started once (~75 s)."""
+    """A real CPU vLLM server on loopback serving the tiny model; started once (~75 s).
+
+    `ROLLTAP_TEST_VLLM_URL` reuses a replica you already run (same tiny model, served as
+    `tiny`) to skip the start-up while iterating; CI never sets it.
+    """
     from tools.replica import VllmReplica
+
+    external = os.environ.get("ROLLTAP_TEST_VLLM_URL")
+    if external:
+        yield SimpleNamespace(url=external.rstrip("/"), served_model_name="tiny")
+        return
 
     with VllmReplica(tiny_model_dir, served_model_name="tiny") as replica:
         replica.wait_healthy(600)

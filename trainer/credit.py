@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Literal
 
-from trainer.records import RewardRecord
+from trainer.records import RewardRow
 
 __all__ = [
     "CreditMode",
@@ -30,7 +30,7 @@ CreditMode = Literal["identical", "last_only", "discounted", "per_call"]
 FINAL = "final"
 
 
-def final_reward(rewards: Sequence[RewardRecord]) -> float | None:
+def final_reward(rewards: Sequence[RewardRow]) -> float | None:
     """The attempt's reward: the last one named "final", else the sum of all; None without rewards."""
     finals = [r.value for r in rewards if r.name == FINAL]
     if finals:
@@ -57,7 +57,7 @@ def discounted(final: float, num_triplets: int, gamma: float) -> list[float]:
 
 def per_call(
     triplet_seqs: Sequence[Sequence[int]],
-    rewards: Sequence[RewardRecord],
+    rewards: Sequence[RewardRow],
     call_seq: Mapping[str, int],
 ) -> list[float]:
     """Rewards posted with a `call_id` go to the triplet holding that call (summed).
@@ -73,7 +73,7 @@ def per_call(
         return out
     where = {seq: i for i, seqs in enumerate(triplet_seqs) for seq in seqs}
     ends = [max(seqs) for seqs in triplet_seqs]
-    unaimed: list[RewardRecord] = []
+    unaimed: list[RewardRow] = []
     for r in rewards:
         seq = call_seq.get(r.call_id) if r.call_id is not None else None
         if seq is None:
@@ -92,7 +92,7 @@ def per_call(
 def assign_credit(
     mode: CreditMode,
     triplet_seqs: Sequence[Sequence[int]],
-    rewards: Sequence[RewardRecord],
+    rewards: Sequence[RewardRow],
     call_seq: Mapping[str, int] | None = None,
     gamma: float = 1.0,
 ) -> list[float]:

@@ -19,7 +19,7 @@ from shared.settings import TrainerSettings
 from trainer.credit import assign_credit, final_reward
 from trainer.drops import record_drops
 from trainer.reader import find_ready_groups
-from trainer.records import AttemptRecord, Group
+from trainer.records import AttemptRow, Group
 from trainer.trajectory import BuildLimits, Drop, Tokenizer, Triplet, build_triplets
 
 __all__ = ["DataRead", "Sample", "build_samples", "limits_from", "read_samples"]
@@ -66,7 +66,7 @@ def limits_from(settings: TrainerSettings) -> BuildLimits:
 
 
 def _attempt_samples(
-    group: Group, attempt: AttemptRecord, settings: TrainerSettings, tokenizer: Tokenizer | None
+    group: Group, attempt: AttemptRow, settings: TrainerSettings, tokenizer: Tokenizer | None
 ) -> tuple[list[Sample], list[Drop]]:
     triplets, drops = build_triplets(attempt.calls, limits_from(settings), tokenizer)
     final = final_reward(attempt.rewards)

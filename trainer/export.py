@@ -37,7 +37,7 @@ from shared.settings import TrainerSettings
 from trainer import messages as msgs
 from trainer.consumption import record_export
 from trainer.data import DataRead, read_samples
-from trainer.records import CallRecord
+from trainer.records import CallRow
 from trainer.trajectory import Tokenizer
 
 __all__ = ["ExportResult", "TRIPLET_SCHEMA", "export_triplets", "triplet_rows", "write_rows"]
@@ -89,7 +89,7 @@ class ExportResult:
     export_id: int | None  # set when the export consumed its attempts
 
 
-def _prompt_messages(call: CallRecord | None) -> list[dict[str, str]]:
+def _prompt_messages(call: CallRow | None) -> list[dict[str, str]]:
     if call is None:
         return []
     messages = msgs.chat_messages(call.route, call.request)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from shared.types import Route
+
 __all__ = [
     "chat_messages",
     "flatten_content",
@@ -20,9 +22,9 @@ __all__ = [
     "reply_text",
 ]
 
-CHAT = "chat/completions"
-COMPLETIONS = "completions"
-MESSAGES = "messages"
+CHAT = Route.CHAT.value
+COMPLETIONS = Route.COMPLETIONS.value
+MESSAGES = Route.MESSAGES.value
 
 
 def flatten_content(content: Any) -> str:

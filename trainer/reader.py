@@ -43,7 +43,7 @@ from shared.db.models import (
 )
 from shared.settings import TrainerSettings
 from trainer.consumption import chunks
-from trainer.records import AttemptRecord, CallRecord, Group, RewardRecord
+from trainer.records import AttemptRow, CallRow, Group, RewardRow
 
 __all__ = [
     "GroupState",
@@ -103,7 +103,7 @@ class GroupState:
     """A group of eligible attempts and whether it may be used now."""
 
     group_id: str
-    members: list[AttemptRecord]
+    members: list[AttemptRow]
     oldest_finished_at: datetime
     readiness: GroupReadiness
 
@@ -116,10 +116,10 @@ def scan_groups(conn: Conn, settings: TrainerSettings, *, now: datetime | None =
     """Every group with eligible attempts, oldest first, with its readiness. Rewards and calls not loaded."""
     now = utc(now) if now is not None else datetime.now(UTC)
     current = current_policy_version(conn)
-    by_group: dict[str, list[AttemptRecord]] = defaultdict(list)
+    by_group: dict[str, list[AttemptRow]] = defaultdict(list)
     for pk, rollout_id, attempt_id, group_key, version, finished in conn.execute(eligible_attempts(settings, current)):
         by_group[group_key].append(
-            AttemptRecord(pk, rollout_id, attempt_id, group_key, "", int(version), utc(finished))
+            AttemptRow(pk, rollout_id, attempt_id, group_key, "", int(version), utc(finished))
         )
     states = []
     for group_id, members in by_group.items():
@@ -137,7 +137,7 @@ def scan_groups(conn: Conn, settings: TrainerSettings, *, now: datetime | None =
     return states
 
 
-def load_attempt_data(conn: Conn, attempts: Sequence[AttemptRecord], *, with_calls: bool = True) -> None:
+def load_attempt_data(conn: Conn, attempts: Sequence[AttemptRow], *, with_calls: bool = True) -> None:
     """Fill in each attempt's status, task, rewards (posting order) and calls (`seq` order)."""
     by_pk = {a.pk: a for a in attempts}
     pks = sorted(by_pk)
@@ -156,12 +156,12 @@ def load_attempt_data(conn: Conn, attempts: Sequence[AttemptRecord], *, with_cal
             .where(Attempt.id.in_(part))
             .order_by(Reward.id)
         ):
-            by_pk[pk].rewards.append(RewardRecord(float(value), name, call_id))
+            by_pk[pk].rewards.append(RewardRow(float(value), name, call_id))
         if with_calls:
             _load_calls(conn, part, by_pk)
 
 
-def _load_calls(conn: Conn, pks: list[int], by_pk: dict[int, AttemptRecord]) -> None:
+def _load_calls(conn: Conn, pks: list[int], by_pk: dict[int, AttemptRow]) -> None:
     stmt = (
         select(
             Attempt.id,
@@ -184,7 +184,7 @@ def _load_calls(conn: Conn, pks: list[int], by_pk: dict[int, AttemptRecord]) -> 
     for row in conn.execute(stmt):
         attempt = by_pk[row[0]]
         attempt.calls.append(
-            CallRecord(
+            CallRow(
                 call_id=row.call_id,
                 seq=int(row.seq),
                 route=row.route,

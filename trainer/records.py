@@ -11,11 +11,11 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-__all__ = ["AttemptRecord", "CallRecord", "Group", "RewardRecord"]
+__all__ = ["AttemptRow", "CallRow", "Group", "RewardRow"]
 
 
 @dataclass(frozen=True, slots=True)
-class CallRecord:
+class CallRow:
     """The columns of one `calls` row that building a trajectory needs."""
 
     call_id: str
@@ -24,7 +24,7 @@ class CallRecord:
     status: str
     prompt_token_ids: list[int] | None
     completion_token_ids: list[int] | None
-    completion_logprobs: list[float] | None
+    completion_logprobs: list[float | None] | None
     finish_reason: str | None = None
     policy_version: int | None = None
     request: Any = None
@@ -34,7 +34,7 @@ class CallRecord:
 
 
 @dataclass(frozen=True, slots=True)
-class RewardRecord:
+class RewardRow:
     """One posted reward; `call_id` set when it was aimed at one call. Kept in posting order."""
 
     value: float
@@ -43,7 +43,7 @@ class RewardRecord:
 
 
 @dataclass(slots=True)
-class AttemptRecord:
+class AttemptRow:
     """A finished, rewarded attempt the reader selected, with its rewards and (once loaded) its calls."""
 
     pk: int
@@ -54,8 +54,8 @@ class AttemptRecord:
     policy_version: int
     finished_at: datetime
     task: Any = None  # the rollout's registered task, if any
-    rewards: list[RewardRecord] = field(default_factory=list)
-    calls: list[CallRecord] = field(default_factory=list)
+    rewards: list[RewardRow] = field(default_factory=list)
+    calls: list[CallRow] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -66,5 +66,5 @@ class Group:
     """
 
     group_id: str
-    attempts: list[AttemptRecord]
+    attempts: list[AttemptRow]
     is_full: bool

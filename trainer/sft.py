@@ -31,7 +31,7 @@ from trainer import messages as msgs
 from trainer.credit import final_reward
 from trainer.export import write_rows
 from trainer.reader import load_attempt_data, utc
-from trainer.records import AttemptRecord
+from trainer.records import AttemptRow
 
 __all__ = ["SftResult", "attempt_examples", "export_sft"]
 
@@ -54,7 +54,7 @@ def _key(message: dict[str, Any]) -> str:
     return json.dumps([message.get("role"), msgs.flatten_content(message.get("content")), calls])
 
 
-def attempt_examples(attempt: AttemptRecord) -> list[dict[str, Any]]:
+def attempt_examples(attempt: AttemptRow) -> list[dict[str, Any]]:
     """The SFT examples (OpenAI fine-tuning rows) of one attempt with loaded calls."""
     chains: list[tuple[list[dict[str, Any]], Any]] = []  # (messages, tools)
     generated: set[str] = set()
@@ -103,7 +103,7 @@ def _for_parquet(example: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _attempts(engine: Engine, statuses: tuple[str, ...]) -> Iterator[list[AttemptRecord]]:
+def _attempts(engine: Engine, statuses: tuple[str, ...]) -> Iterator[list[AttemptRow]]:
     with engine.connect() as conn:
         rows = conn.execute(
             select(Attempt.id, Attempt.rollout_id, Attempt.attempt_id, Attempt.policy_version, Attempt.finished_at, Attempt.created_at)
@@ -112,7 +112,7 @@ def _attempts(engine: Engine, statuses: tuple[str, ...]) -> Iterator[list[Attemp
         ).all()
         for i in range(0, len(rows), CHUNK):
             part = [
-                AttemptRecord(pk, rid, aid, rid, "", int(v or 0), utc(fin or created))
+                AttemptRow(pk, rid, aid, rid, "", int(v or 0), utc(fin or created))
                 for pk, rid, aid, v, fin, created in rows[i : i + CHUNK]
             ]
             load_attempt_data(conn, part)

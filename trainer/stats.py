@@ -21,7 +21,7 @@ from shared.settings import TrainerSettings
 from trainer.credit import final_reward
 from trainer.drops import drop_counts
 from trainer.reader import current_policy_version, eligible_statuses, scan_groups
-from trainer.records import RewardRecord
+from trainer.records import RewardRow
 
 __all__ = ["collect_stats", "render_stats"]
 
@@ -30,7 +30,7 @@ HISTOGRAM_BINS = 10
 
 def _reward_distribution(conn: Connection) -> dict[str, Any]:
     finished = ("succeeded", "failed", "cancelled")
-    per_attempt: dict[tuple[str, str], list[RewardRecord]] = defaultdict(list)
+    per_attempt: dict[tuple[str, str], list[RewardRow]] = defaultdict(list)
     status_of = dict(
         ((r, a), s)
         for r, a, s in conn.execute(
@@ -41,7 +41,7 @@ def _reward_distribution(conn: Connection) -> dict[str, Any]:
         select(Reward.rollout_id, Reward.attempt_id, Reward.value, Reward.name, Reward.call_id).order_by(Reward.id)
     ):
         if (rid, aid) in status_of:
-            per_attempt[(rid, aid)].append(RewardRecord(float(value), name, call_id))
+            per_attempt[(rid, aid)].append(RewardRow(float(value), name, call_id))
     values = [v for v in (final_reward(rs) for rs in per_attempt.values()) if v is not None]
     by_status: dict[str, list[float]] = defaultdict(list)
     for key, rs in per_attempt.items():
@@ -109,7 +109,10 @@ def collect_stats(conn: Connection, settings: TrainerSettings, *, now: datetime 
             "is_active": v.is_active,
             "attempts": int(by_version.pop(v.version, 0)),
         }
-        for v in conn.execute(select(PolicyVersion).order_by(PolicyVersion.version)).scalars()
+        for v in conn.execute(
+            select(PolicyVersion.version, PolicyVersion.served_name, PolicyVersion.kind, PolicyVersion.is_active)
+            .order_by(PolicyVersion.version)
+        )
     ]
     return {
         "attempts_by_status": {str(k): int(v) for k, v in sorted(attempts.items())},

@@ -19,7 +19,7 @@ from enum import StrEnum
 from typing import Any, Protocol
 
 from trainer import messages as msgs
-from trainer.records import CallRecord
+from trainer.records import CallRow
 
 __all__ = ["BuildLimits", "Drop", "DropReason", "Tokenizer", "Triplet", "build_triplets", "retokenize"]
 
@@ -106,7 +106,7 @@ class _Tokens:
     retokenized: bool
 
 
-def retokenize(call: CallRecord, tokenizer: Tokenizer) -> _Tokens | None:
+def retokenize(call: CallRow, tokenizer: Tokenizer) -> _Tokens | None:
     """Token IDs for a call recorded without them, from its request and response text.
 
     Chat routes: the prompt is the chat template over the request messages (with the
@@ -154,13 +154,21 @@ def retokenize(call: CallRecord, tokenizer: Tokenizer) -> _Tokens | None:
     return _Tokens(prompt_ids, completion, None, True)
 
 
-def _tokens(call: CallRecord, tokenizer: Tokenizer | None) -> _Tokens | str:
+def _logprobs(values: Sequence[float | None] | None) -> list[float] | None:
+    # A token without a logprob (vLLM writes None for -inf) makes the call's logprobs unknown:
+    # a made-up number would bias off-policy correction more than having none.
+    if values is None or any(v is None for v in values):
+        return None
+    return [float(v) for v in values]  # type: ignore[arg-type]
+
+
+def _tokens(call: CallRow, tokenizer: Tokenizer | None) -> _Tokens | str:
     """The call's tokens, or the detail of a `no_tokens` drop."""
     if call.prompt_token_ids is not None and call.completion_token_ids is not None:
         return _Tokens(
             [int(t) for t in call.prompt_token_ids],
             [int(t) for t in call.completion_token_ids],
-            None if call.completion_logprobs is None else [float(x) for x in call.completion_logprobs],
+            _logprobs(call.completion_logprobs),
             False,
         )
     if tokenizer is None:
@@ -171,7 +179,7 @@ def _tokens(call: CallRecord, tokenizer: Tokenizer | None) -> _Tokens | str:
     return toks
 
 
-def _check(call: CallRecord, toks: _Tokens, limits: BuildLimits) -> tuple[DropReason, str | None] | None:
+def _check(call: CallRow, toks: _Tokens, limits: BuildLimits) -> tuple[DropReason, str | None] | None:
     if not toks.completion:
         return DropReason.EMPTY_COMPLETION, None
     if toks.logprobs is not None and len(toks.logprobs) != len(toks.completion):
@@ -192,7 +200,7 @@ def _min_version(a: int | None, b: int | None) -> int | None:
 
 
 def build_triplets(
-    calls: Sequence[CallRecord], limits: BuildLimits | None = None, tokenizer: Tokenizer | None = None
+    calls: Sequence[CallRow], limits: BuildLimits | None = None, tokenizer: Tokenizer | None = None
 ) -> tuple[list[Triplet], list[Drop]]:
     """Triplets of one attempt's calls, in order, and the calls left out with their reasons.
 
@@ -208,7 +216,7 @@ def build_triplets(
     # prompt + response of `current`, kept alongside so the prefix test is one slice compare
     current_full: list[int] = []
 
-    def drop(call: CallRecord, reason: DropReason, detail: str | None = None) -> None:
+    def drop(call: CallRow, reason: DropReason, detail: str | None = None) -> None:
         drops.append(Drop(call.call_id, call.rollout_id, call.attempt_id, call.seq, reason, detail))
 
     for call in sorted(calls, key=lambda c: c.seq):

@@ -82,7 +82,7 @@ def test_messages_route_is_recorded(vllm_replica: Any, proxy_for: ProxyFactory) 
     """Anthropic Messages through vLLM: recorded with its text (vLLM gives no token IDs there)."""
     with proxy_for([vllm_replica.url]) as proxy:
         for stream in (False, True):
-            body = {"model": "x", "max_tokens": 6, "messages": MESSAGES, "stream": stream}
+            body = {"model": "x", "max_tokens": 6, "messages": MESSAGES, "stream": stream, "temperature": 0}
             r = httpx.post(f"{proxy.base_url('r3', 'a1')}/messages", json=body)
             assert r.status_code == 200, r.text
         attempt = httpx.get(f"{proxy.url}/rollout/r3/attempt/a1").json()

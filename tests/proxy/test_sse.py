@@ -1,0 +1,106 @@
+"""`proxy/sse.py`: a stream split anywhere parses like the whole, and parse(render(x)) == x."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from proxy.sse import SseParser, iter_data
+
+# A data line cannot hold a line break; everything else goes, multi-byte UTF-8 included.
+line_text = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\r\n"), max_size=12)
+event_data = st.lists(line_text, min_size=1, max_size=3).map("\n".join)
+newlines = st.sampled_from(["\n", "\r\n", "\r"])
+
+
+@dataclass
+class Rendering:
+    raw: bytes
+    events: list[str]
+
+
+@st.composite
+def renderings(draw: st.DrawFn) -> Rendering:
+    """Events rendered the way servers write them, with the noise the parser must skip."""
+    events = draw(st.lists(event_data, max_size=6))
+    mixed = draw(st.booleans())  # one ending for the whole stream, or a different one per line
+    fixed = draw(newlines)
+    out: list[str] = []
+
+    def line(text: str) -> None:
+        out.append(text + (draw(newlines) if mixed else fixed))
+
+    for data in events:
+        if draw(st.booleans()):
+            line(": " + draw(line_text))  # comment / keep-alive
+        if draw(st.booleans()):
+            line("event: " + draw(st.sampled_from(["message", "content_block_delta"])))
+        for part in data.split("\n"):
+            # The one space after the colon is optional and not part of the value.
+            line(("data:" if draw(st.booleans()) and not part.startswith(" ") else "data: ") + part)
+        if draw(st.booleans()):
+            line("id: " + str(draw(st.integers(0, 99))))
+        line("")  # the blank line that ends the event
+    if draw(st.booleans()):
+        line(":keep-alive")  # a comment alone is no event
+    return Rendering("".join(out).encode("utf-8"), events)
+
+
+def parse_chunks(chunks: list[bytes]) -> list[str]:
+    parser = SseParser()
+    events: list[str] = []
+    for chunk in chunks:
+        events += parser.feed(chunk)
+    return events + parser.close()
+
+
+def split(raw: bytes, cuts: list[int]) -> list[bytes]:
+    bounds = [0, *sorted(min(c, len(raw)) for c in cuts), len(raw)]
+    return [raw[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]  # repeated cuts give empty chunks
+
+
+@settings(max_examples=300, deadline=None)
+@given(renderings())
+def test_parse_render_roundtrip(rendering: Rendering) -> None:
+    assert list(iter_data(rendering.raw)) == rendering.events
+
+
+@settings(max_examples=500, deadline=None)
+@given(renderings(), st.lists(st.integers(min_value=0, max_value=400), max_size=12))
+def test_split_anywhere_gives_the_same_events(rendering: Rendering, cuts: list[int]) -> None:
+    assert parse_chunks(split(rendering.raw, cuts)) == rendering.events
+
+
+@settings(max_examples=200, deadline=None)
+@given(renderings())
+def test_byte_by_byte(rendering: Rendering) -> None:
+    raw = rendering.raw
+    assert parse_chunks([raw[i:i + 1] for i in range(len(raw))]) == rendering.events
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(event_data, min_size=1, max_size=4), newlines, st.lists(st.integers(0, 200), max_size=6))
+def test_cut_stream_keeps_its_last_event(events: list[str], newline: str, cuts: list[int]) -> None:
+    # A replica that dies before the final blank line: close() still hands over the last event.
+    raw = "".join(
+        "".join(f"data: {part}{newline}" for part in data.split("\n")) + newline for data in events
+    ).encode()
+    raw = raw[: -len(newline)]
+    assert parse_chunks(split(raw, cuts)) == events
+
+
+def test_examples() -> None:
+    raw = "data: {\"a\": 1}\r\n\r\n: ping\r\ndata: héllo\rdata: wörld\r\rdata: [DONE]\n\n".encode()
+    assert list(iter_data(raw)) == ['{"a": 1}', "héllo\nwörld", "[DONE]"]
+    parser = SseParser()
+    # A CRLF split between chunks is one line ending, not two (which would end the event early).
+    assert parser.feed(b"data: a\r") == []
+    assert parser.feed(b"") == []
+    assert parser.feed(b"\ndata: b\r") == []
+    assert parser.feed(b"\n\r\n") == ["a\nb"]
+    # A multi-byte character split between chunks comes out whole.
+    euro = "€".encode()
+    assert parser.feed(b"data: " + euro[:1]) == []
+    assert parser.feed(euro[1:] + b"\n\n") == ["€"]
