@@ -94,49 +94,50 @@ def build_batch(
     real = list(samples[:rows])
     # Padding rows repeat real rows cyclically (realistic lengths), flagged and neutralised below.
     chosen = real + [real[i % len(real)] for i in range(rows - len(real))]
-    is_pad = torch.tensor([i >= len(real) for i in range(rows)], dtype=torch.bool)
 
     p_len = max(len(s.triplet.prompt_ids) for s in chosen)
     r_len = max(len(s.triplet.response_ids) for s in chosen)
-    prompts = torch.full((rows, p_len), pad_token_id, dtype=torch.int64)
-    responses = torch.full((rows, r_len), pad_token_id, dtype=torch.int64)
-    prompt_attn = torch.zeros((rows, p_len), dtype=torch.int64)
-    response_attn = torch.zeros((rows, r_len), dtype=torch.int64)
-    response_mask = torch.zeros((rows, r_len), dtype=torch.int64)
-    scores = torch.zeros((rows, r_len), dtype=torch.float32)
-    logprobs = torch.zeros((rows, r_len), dtype=torch.float32)
-    has_logprobs = torch.zeros(rows, dtype=torch.bool)
+    # Filled as numpy arrays (slice assignment from lists is ~10x faster than torch.tensor(list)),
+    # handed to torch without a copy.
+    prompts = np.full((rows, p_len), pad_token_id, dtype=np.int64)
+    responses = np.full((rows, r_len), pad_token_id, dtype=np.int64)
+    attention_mask = np.zeros((rows, p_len + r_len), dtype=np.int64)
+    response_mask = np.zeros((rows, r_len), dtype=np.int64)
+    scores = np.zeros((rows, r_len), dtype=np.float32)
+    logprobs = np.zeros((rows, r_len), dtype=np.float32)
+    has_logprobs = np.zeros(rows, dtype=np.bool_)
+    pad_flags = [i >= len(real) for i in range(rows)]
 
     for i, s in enumerate(chosen):
         t = s.triplet
         n_p, n_r = len(t.prompt_ids), len(t.response_ids)
-        prompts[i, p_len - n_p :] = torch.tensor(t.prompt_ids, dtype=torch.int64)
-        prompt_attn[i, p_len - n_p :] = 1
-        responses[i, :n_r] = torch.tensor(t.response_ids, dtype=torch.int64)
-        response_attn[i, :n_r] = 1
-        if is_pad[i]:
+        prompts[i, p_len - n_p :] = t.prompt_ids
+        responses[i, :n_r] = t.response_ids
+        attention_mask[i, p_len - n_p : p_len + n_r] = 1
+        if pad_flags[i]:
             continue  # no loss, no reward, no logprobs
-        response_mask[i, :n_r] = torch.tensor(t.response_mask, dtype=torch.int64)
+        response_mask[i, :n_r] = t.response_mask
         # The last response token is always generated: a triplet ends with a completion.
         scores[i, n_r - 1] = s.reward
         if t.response_logprobs is not None:
-            logprobs[i, :n_r] = torch.tensor(t.response_logprobs, dtype=torch.float32)
+            logprobs[i, :n_r] = t.response_logprobs
             has_logprobs[i] = True
 
-    attention_mask = torch.cat([prompt_attn, response_attn], dim=1)
-    position_ids = torch.clamp(torch.cumsum(attention_mask, dim=1) - 1, min=0)
+    attention = torch.from_numpy(attention_mask)
+    prompts_t, responses_t = torch.from_numpy(prompts), torch.from_numpy(responses)
+    scores_t = torch.from_numpy(scores)
     tensors = {
-        "prompts": prompts,
-        "responses": responses,
-        "input_ids": torch.cat([prompts, responses], dim=1),
-        "attention_mask": attention_mask,
-        "position_ids": position_ids,
-        "response_mask": response_mask,
-        "token_level_scores": scores,
-        "token_level_rewards": scores.clone(),
-        "rollout_log_probs": logprobs,
-        "has_rollout_log_probs": has_logprobs,
-        "is_pad": is_pad,
+        "prompts": prompts_t,
+        "responses": responses_t,
+        "input_ids": torch.cat([prompts_t, responses_t], dim=1),
+        "attention_mask": attention,
+        "position_ids": torch.clamp(torch.cumsum(attention, dim=1) - 1, min=0),
+        "response_mask": torch.from_numpy(response_mask),
+        "token_level_scores": scores_t,
+        "token_level_rewards": scores_t.clone(),
+        "rollout_log_probs": torch.from_numpy(logprobs),
+        "has_rollout_log_probs": torch.from_numpy(has_logprobs),
+        "is_pad": torch.tensor(pad_flags, dtype=torch.bool),
     }
 
     def objects(values: list[Any]) -> np.ndarray:
@@ -144,7 +145,7 @@ def build_batch(
         arr[:] = values
         return arr
 
-    uids = [s.group_id if not is_pad[i] else f"{PAD_UID}{i}" for i, s in enumerate(chosen)]
+    uids = [f"{PAD_UID}{i}" if pad_flags[i] else s.group_id for i, s in enumerate(chosen)]
     non_tensors = {
         "uid": objects(uids),
         "rollout_id": objects([s.rollout_id for s in chosen]),

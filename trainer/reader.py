@@ -27,9 +27,10 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Literal
+from typing import Any, Literal
 
-from sqlalchemy import Connection, Select, and_, exists, func, select, true
+import orjson
+from sqlalchemy import Connection, Select, Text, and_, cast, exists, func, select, true
 from sqlalchemy.orm import Session
 
 from shared.db.models import (
@@ -161,6 +162,11 @@ def load_attempt_data(conn: Conn, attempts: Sequence[AttemptRow], *, with_calls:
             _load_calls(conn, part, by_pk)
 
 
+def _json(text: str | None) -> Any:
+    # SQL NULL and a stored JSON null both mean "absent" here.
+    return None if text is None else orjson.loads(text)
+
+
 def _load_calls(conn: Conn, pks: list[int], by_pk: dict[int, AttemptRow]) -> None:
     stmt = (
         select(
@@ -169,13 +175,15 @@ def _load_calls(conn: Conn, pks: list[int], by_pk: dict[int, AttemptRow]) -> Non
             Call.seq,
             Call.route,
             Call.status,
-            Call.prompt_token_ids,
-            Call.completion_token_ids,
-            Call.completion_logprobs,
+            # Token lists are most of the bytes read: fetched as text and parsed with orjson,
+            # ~4x faster than the stdlib json the drivers and SQLAlchemy would use.
+            cast(Call.prompt_token_ids, Text).label("prompt_token_ids"),
+            cast(Call.completion_token_ids, Text).label("completion_token_ids"),
+            cast(Call.completion_logprobs, Text).label("completion_logprobs"),
             Call.finish_reason,
             Call.policy_version,
-            Call.request,
-            Call.response,
+            cast(Call.request, Text).label("request"),
+            cast(Call.response, Text).label("response"),
         )
         .join(Attempt, and_(Attempt.rollout_id == Call.rollout_id, Attempt.attempt_id == Call.attempt_id))
         .where(Attempt.id.in_(pks))
@@ -189,13 +197,13 @@ def _load_calls(conn: Conn, pks: list[int], by_pk: dict[int, AttemptRow]) -> Non
                 seq=int(row.seq),
                 route=row.route,
                 status=row.status,
-                prompt_token_ids=row.prompt_token_ids,
-                completion_token_ids=row.completion_token_ids,
-                completion_logprobs=row.completion_logprobs,
+                prompt_token_ids=_json(row.prompt_token_ids),
+                completion_token_ids=_json(row.completion_token_ids),
+                completion_logprobs=_json(row.completion_logprobs),
                 finish_reason=row.finish_reason,
                 policy_version=row.policy_version,
-                request=row.request,
-                response=row.response,
+                request=_json(row.request),
+                response=_json(row.response),
                 rollout_id=attempt.rollout_id,
                 attempt_id=attempt.attempt_id,
             )

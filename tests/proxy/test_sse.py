@@ -30,7 +30,10 @@ def renderings(draw: st.DrawFn) -> Rendering:
     out: list[str] = []
 
     def line(text: str) -> None:
-        out.append(text + (draw(newlines) if mixed else fixed))
+        ending = draw(newlines) if mixed else fixed
+        if not text and out and out[-1].endswith("\r") and ending == "\n":
+            ending = "\r"  # CR then LF is one CRLF in any SSE reader: that blank line would vanish
+        out.append(text + ending)
 
     for data in events:
         if draw(st.booleans()):
