@@ -21,6 +21,8 @@ class SseParser:
         self._pending_cr = False
 
     def feed(self, chunk: bytes) -> list[str]:
+        if not chunk:
+            return []  # keeps `_pending_cr`: an empty chunk between CR and LF must not split the CRLF
         if self._pending_cr and chunk.startswith(b"\n"):
             chunk = chunk[1:]  # the LF of a CRLF split across chunks
         self._pending_cr = chunk.endswith(b"\r")

@@ -52,8 +52,8 @@ def lock_unconsumed(conn: Conn, attempt_pks: Sequence[int]) -> None:
         conn.execute(update(Attempt).where(Attempt.id.in_(part)).values(num_calls=Attempt.num_calls))
     taken: list[int] = []
     for part in chunks(pks):
-        taken += conn.execute(select(TrainingStepAttempt.attempt_pk).where(TrainingStepAttempt.attempt_pk.in_(part))).scalars().all()
-        taken += conn.execute(select(ExportAttempt.attempt_pk).where(ExportAttempt.attempt_pk.in_(part))).scalars().all()
+        for table in (TrainingStepAttempt, ExportAttempt):
+            taken += conn.execute(select(table.attempt_pk).where(table.attempt_pk.in_(part))).scalars().all()
     if taken:
         raise AlreadyConsumed(sorted(taken))
 

@@ -70,13 +70,13 @@ def test_parse_render_roundtrip(rendering: Rendering) -> None:
     assert list(iter_data(rendering.raw)) == rendering.events
 
 
-@settings(max_examples=500, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(renderings(), st.lists(st.integers(min_value=0, max_value=400), max_size=12))
 def test_split_anywhere_gives_the_same_events(rendering: Rendering, cuts: list[int]) -> None:
     assert parse_chunks(split(rendering.raw, cuts)) == rendering.events
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(renderings())
 def test_byte_by_byte(rendering: Rendering) -> None:
     raw = rendering.raw

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -16,6 +17,9 @@ from shared.db.engine import create_sync_db
 from shared.db.migrate import upgrade
 from shared.db.models import Attempt, Call, PolicyVersion, Reward, Rollout
 from shared.settings import DbSettings
+
+# verl's dataset classes go through `datasets`, which must never reach for a hub.
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 _ids = itertools.count()
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -18,8 +17,6 @@ from trainer.data import read_samples
 from trainer.export import export_triplets
 from trainer.main import main
 from trainer.sft import export_sft
-
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 QUESTION = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 7 + 5?"}]
 REPLY_1 = "The answer is 12."

