@@ -21,7 +21,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install $(PIP_QUIET) --upgrade pip
 	$(VENV)/bin/pip install $(PIP_QUIET) torch==2.13.0
-	$(VENV)/bin/pip install $(PIP_QUIET) -e '.[proxy,trainer,test]'
+	$(VENV)/bin/pip install $(PIP_QUIET) -e '.[proxy,hosted,trainer,test]'
 	$(VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 	touch $@
 

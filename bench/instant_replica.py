@@ -526,7 +526,7 @@ class _HttpProtocol(asyncio.Protocol):
             pos = end
             prepared = self._replica.dispatch(method, target, body)
             opts = self._opts
-            if opts.delay_s > 0 or (prepared.streamed and opts.split_stream):
+            if opts.delay_s > 0 or (prepared.streamed and opts.token_delay_s > 0):
                 self._busy = True
                 self._buf = data[pos:]
                 self._task = asyncio.get_running_loop().create_task(
@@ -536,8 +536,7 @@ class _HttpProtocol(asyncio.Protocol):
             if method == b"HEAD":
                 self._write_head_only(prepared, keep_alive)
             else:
-                wire = prepared.wire if keep_alive else prepared.wire_close
-                t.write(wire.replace(_ID_PLACEHOLDER, _next_id()) if prepared.has_id else wire)
+                self._write_now(prepared, keep_alive)
             if not keep_alive:
                 t.close()
                 return
@@ -548,6 +547,22 @@ class _HttpProtocol(asyncio.Protocol):
         if not self._sent_continue and b"\r\nexpect: 100-continue" in hdrs and self._t is not None:
             self._t.write(b"HTTP/1.1 100 Continue\r\n\r\n")
             self._sent_continue = True
+
+    def _write_now(self, prepared: Prepared, keep_alive: bool) -> None:
+        assert self._t is not None
+        wire = prepared.wire if keep_alive else prepared.wire_close
+        if prepared.has_id:
+            wire = wire.replace(_ID_PLACEHOLDER, _next_id())
+        if prepared.streamed and self._opts.split_stream:
+            # One write (one send(2), TCP_NODELAY) per SSE event, so the client
+            # sees events arrive separately as from a real replica, without the
+            # cost of a loop iteration per event.
+            start = 0
+            for cut in prepared.cuts if keep_alive else prepared.cuts_close:
+                self._t.write(wire[start:cut])
+                start = cut
+        else:
+            self._t.write(wire)
 
     def _write_head_only(self, prepared: Prepared, keep_alive: bool) -> None:
         wire = prepared.wire if keep_alive else prepared.wire_close
@@ -562,23 +577,21 @@ class _HttpProtocol(asyncio.Protocol):
             return
         if head_only:
             self._write_head_only(prepared, keep_alive)
-        else:
+        elif prepared.streamed and opts.token_delay_s > 0:
+            # Paced stream: one write per SSE event with the delay in between.
             wire = prepared.wire if keep_alive else prepared.wire_close
             if prepared.has_id:
                 wire = wire.replace(_ID_PLACEHOLDER, _next_id())
-            if prepared.streamed and opts.split_stream:
-                # One write per SSE event, yielding to the loop in between, so the
-                # client sees the event-by-event arrival pattern of a real replica.
-                start = 0
-                for cut in prepared.cuts if keep_alive else prepared.cuts_close:
-                    if start:
-                        await asyncio.sleep(opts.token_delay_s)
-                        if self._t is None:
-                            return
-                    self._t.write(wire[start:cut])
-                    start = cut
-            else:
-                self._t.write(wire)
+            start = 0
+            for cut in prepared.cuts if keep_alive else prepared.cuts_close:
+                if start:
+                    await asyncio.sleep(opts.token_delay_s)
+                    if self._t is None:
+                        return
+                self._t.write(wire[start:cut])
+                start = cut
+        else:
+            self._write_now(prepared, keep_alive)
         if not keep_alive:
             self._t.close()
             return

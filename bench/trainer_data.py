@@ -207,8 +207,10 @@ def render(results: dict[str, dict[str, float]], args: argparse.Namespace) -> st
     slowest = {name: max(phases, key=lambda p: r[phases[p]]) for name, r in results.items()}
     lines += [
         "",
-        "read = ready groups + rewards + calls (token-ID JSON decoded by the driver); build = triplets and "
-        "credit; batch = padded tensors in verl's layout. Slowest phase: "
+        "read = ready groups + rewards + calls (JSON columns fetched as text, parsed with orjson: with the "
+        "drivers' stdlib json this phase ran at ~2,900 calls/s on SQLite and ~2,600 on PostgreSQL); "
+        "build = triplets and credit; batch = padded tensors in verl's layout (numpy-filled; "
+        "`torch.tensor(list)` per row ran at ~3,500 calls/s). Slowest phase: "
         + ", ".join(f"{name} {phase}" for name, phase in slowest.items())
         + ".",
         "",

@@ -17,12 +17,14 @@ from fastapi import FastAPI
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from proxy import store
+from proxy.admission import Admission
 from proxy.balancer import Balancer
 from proxy.errors import install_error_handlers
+from proxy.hosted import load_hosted
 from proxy.policy import ActivePolicy
 from proxy.recorder import Recorder
 from proxy.relay import Relay
-from proxy.routes import health, lifecycle
+from proxy.routes import admin, health, lifecycle
 from proxy.routes.relayed import relayed_routes
 from proxy.upstream import Upstream
 from shared.db.engine import create_async_db
@@ -53,6 +55,17 @@ async def _resolve_policy(app: FastAPI) -> None:
     await state.recorder.run(op, 30.0)
 
 
+async def _persist_replicas(app: FastAPI) -> None:
+    """Write the configured replicas and their weight mode where the trainer can read them."""
+    replicas = app.state.balancer.replicas
+
+    async def op(conn: AsyncConnection) -> None:
+        for replica in replicas:
+            await store.upsert_replica(conn, replica.url, replica.weight_mode, "active")
+
+    await app.state.recorder.run(op, 30.0)
+
+
 def create_app(settings: Settings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -62,7 +75,9 @@ def create_app(settings: Settings) -> FastAPI:
         writer = create_async_db(settings.db, pool_size=1)
         reader = create_async_db(settings.db)
         upstream = Upstream(settings.proxy)
-        balancer = Balancer(settings.proxy.replicas, upstream, settings.proxy.health_interval_s)
+        balancer = Balancer(settings.proxy.replicas, upstream, settings.proxy.pool, settings.proxy.health_interval_s)
+        admission = Admission(settings.proxy.pool.pause_wait_s)
+        hosted = load_hosted(settings.proxy.litellm_config)
         recorder = Recorder(settings.proxy.recorder, writer)
         policy = ActivePolicy()
         app.state.settings = settings
@@ -70,11 +85,14 @@ def create_app(settings: Settings) -> FastAPI:
         app.state.recorder = recorder
         app.state.balancer = balancer
         app.state.policy = policy
-        app.state.relay = Relay(settings.proxy, upstream, balancer, policy, recorder, on_policy_unknown=lambda: _resolve_policy(app))
+        app.state.admission = admission
+        app.state.relay = Relay(settings.proxy, upstream, balancer, policy, recorder, admission, hosted,
+                                on_policy_unknown=lambda: _resolve_policy(app))
         await recorder.start()
         await balancer.start()
         await balancer.wait_first_probe(timeout_s=10.0)
         await _resolve_policy(app)
+        await _persist_replicas(app)
         logger.info("proxy ready: %d replica(s), policy %s v%s", len(settings.proxy.replicas),
                     policy.served_name, policy.version)
         try:
@@ -89,5 +107,6 @@ def create_app(settings: Settings) -> FastAPI:
     app = FastAPI(title="Rolltap proxy", version="1", lifespan=lifespan, routes=relayed_routes())
     app.include_router(lifecycle.router)
     app.include_router(health.router)
+    app.include_router(admin.router)
     install_error_handlers(app)
     return app

@@ -141,6 +141,14 @@ def _assemble_messages(events: list[Json]) -> Json:
                 out["usage"] = {**(out.get("usage") or {}), **event["usage"]}
         elif kind == "error" or "error" in event:
             out["error"] = event.get("error", event)
+    for block in out["content"]:
+        # Tool input streams as JSON text; the non-streamed twin carries the parsed object.
+        # A stream cut mid-input keeps the text it got under `partial_json`.
+        if "partial_json" in block:
+            parsed = _loads(block["partial_json"] or "{}")
+            if isinstance(parsed, dict):
+                block["input"] = parsed
+                del block["partial_json"]
     return out
 
 

@@ -1,44 +1,104 @@
-"""The replica pool: which replicas exist, which are healthy, and which one serves a call.
+"""The replica pool: which replicas exist, their health and load, and which one serves a call.
 
 `pick()` is on the hot path: no I/O, no awaits. Health is learned two ways: an active
-probe loop (`GET /health`) and passive marks from the relay when a replica cannot be
-reached. The least-loaded healthy replica wins; ties rotate.
+probe loop (`GET /health`, and `/metrics` for the replica's own queue and KV signals) and
+passive marks from the relay (connection errors eject at once, repeated 5xx after
+`eject_after_errors`). An ejected replica is re-admitted when its probe passes again.
+
+Policies (`proxy.pool.policy`):
+- `sticky_least_loaded` (default): a rollout's first call goes to the healthy replica with
+  the least load (fewest bound rollouts breaking ties), and the rollout stays there while
+  it has unfinished attempts and is not idle, so multi-turn prefixes hit one prefix cache.
+- `least_outstanding`: per call, the least-loaded replica.
+- `round_robin`: per call, in turn.
+- `consistent_hash`: rollout id on a hash ring (64 virtual nodes per replica).
+Load = max(calls this proxy has in flight there, the replica's running + waiting requests)
++ its KV-cache use (0..1); the replica's own numbers also count other proxies' calls.
 """
 
 from __future__ import annotations
 
 import asyncio
+import bisect
+import hashlib
 import itertools
 import logging
+import re
+import time
 from dataclasses import dataclass, field
 
 import orjson
 
 from proxy.upstream import Upstream
-from shared.errors import RolltapError, UpstreamUnavailable
+from shared.errors import Conflict, NotFound, RolltapError, UpstreamUnavailable
+from shared.settings import PoolSettings
 
 __all__ = ["Balancer", "ReplicaState"]
 
 logger = logging.getLogger(__name__)
 
+_METRIC_LINE = re.compile(
+    rb"^vllm:(num_requests_running|num_requests_waiting|kv_cache_usage_perc)\{[^}]*\} ([0-9.eE+-]+)$", re.M
+)
+_VNODES = 64
+
 
 @dataclass(slots=True, eq=False)
 class ReplicaState:
     url: str
+    weight_mode: str = "none"
     is_healthy: bool = False
+    is_draining: bool = False
     in_flight: int = 0
     models: list[str] = field(default_factory=list)
-    failures: int = 0
+    consecutive_errors: int = 0
+    running: float = 0.0
+    waiting: float = 0.0
+    kv_usage: float = 0.0
+    rollouts: int = 0  # rollouts bound to it (sticky policy)
+    calls_total: int = 0
+    drained: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def is_available(self) -> bool:
+        return self.is_healthy and not self.is_draining
+
+    @property
+    def load(self) -> float:
+        return max(self.in_flight, self.running + self.waiting) + self.kv_usage
+
+    def describe(self) -> dict[str, object]:
+        return {
+            "url": self.url, "weight_mode": self.weight_mode, "healthy": self.is_healthy,
+            "state": "draining" if self.is_draining else "active", "in_flight": self.in_flight,
+            "rollouts": self.rollouts, "calls_total": self.calls_total, "models": self.models,
+            "replica_running": self.running, "replica_waiting": self.waiting, "kv_cache_usage": self.kv_usage,
+        }
+
+
+@dataclass(slots=True)
+class _Binding:
+    replica: ReplicaState
+    last_used: float
+    attempts: set[str] = field(default_factory=set)
 
 
 class Balancer:
-    def __init__(self, urls: list[str], upstream: Upstream, probe_interval_s: float) -> None:
-        self._replicas: dict[str, ReplicaState] = {url: ReplicaState(url) for url in urls}
+    def __init__(self, urls: list[str], upstream: Upstream, settings: PoolSettings, probe_interval_s: float) -> None:
+        self._settings = settings
+        self._replicas: dict[str, ReplicaState] = {}
         self._upstream = upstream
         self._probe_interval_s = probe_interval_s
         self._turn = itertools.count()
+        self._sticky: dict[str, _Binding] = {}
+        self._ring: list[tuple[int, str]] = []
         self._task: asyncio.Task[None] | None = None
         self._first_probe = asyncio.Event()
+        for url in urls:
+            self._replicas[url] = ReplicaState(url, weight_mode=settings.weight_mode)
+        self._rebuild_ring()
+
+    # -- reading the pool ----------------------------------------------------------------
 
     @property
     def replicas(self) -> list[ReplicaState]:
@@ -46,28 +106,147 @@ class Balancer:
 
     @property
     def has_healthy(self) -> bool:
-        return any(r.is_healthy for r in self._replicas.values())
+        return any(r.is_available for r in self._replicas.values())
+
+    @property
+    def in_flight(self) -> int:
+        return sum(r.in_flight for r in self._replicas.values())
 
     def base_model(self) -> str | None:
-        """The model the first healthy replica serves (its `/v1/models` root)."""
+        """The model the first healthy replica serves (the first entry of its `/v1/models`)."""
         for replica in self._replicas.values():
             if replica.is_healthy and replica.models:
                 return replica.models[0]
         return None
 
-    def pick(self, rollout_id: str | None = None) -> ReplicaState:
-        healthy = [r for r in self._replicas.values() if r.is_healthy]
-        if not healthy:
+    # -- the hot path --------------------------------------------------------------------
+
+    def pick(self, rollout_id: str | None = None, attempt_id: str | None = None,
+             exclude: frozenset[str] = frozenset()) -> ReplicaState:
+        """The replica for the next call; `exclude` holds replicas that just failed this call."""
+        candidates = [r for r in self._replicas.values() if r.is_available and r.url not in exclude]
+        if not candidates:
             raise UpstreamUnavailable("no healthy replica", code="no_healthy_replica", retry_after_s=1.0)
-        low = min(r.in_flight for r in healthy)
-        candidates = [r for r in healthy if r.in_flight == low]
-        return candidates[next(self._turn) % len(candidates)]
+        policy = self._settings.policy
+        if rollout_id is not None and policy == "sticky_least_loaded":
+            return self._sticky_pick(rollout_id, attempt_id, candidates)
+        if rollout_id is not None and policy == "consistent_hash":
+            return self._hash_pick(rollout_id, candidates)
+        if policy == "round_robin":
+            return candidates[next(self._turn) % len(candidates)]
+        return self._least_loaded(candidates)
+
+    def _least_loaded(self, candidates: list[ReplicaState]) -> ReplicaState:
+        low = min((r.load, r.rollouts) for r in candidates)
+        best = [r for r in candidates if (r.load, r.rollouts) == low]
+        return best[next(self._turn) % len(best)]
+
+    def _sticky_pick(self, rollout_id: str, attempt_id: str | None, candidates: list[ReplicaState]) -> ReplicaState:
+        now = time.monotonic()
+        binding = self._sticky.get(rollout_id)
+        if binding is not None and binding.replica in candidates:
+            binding.last_used = now
+            if attempt_id is not None:
+                binding.attempts.add(attempt_id)
+            return binding.replica
+        if binding is not None:  # its replica left, drains or failed: move the rollout
+            binding.replica.rollouts -= 1
+        replica = self._least_loaded(candidates)
+        replica.rollouts += 1
+        self._sticky[rollout_id] = _Binding(replica, now, {attempt_id} if attempt_id else set())
+        return replica
+
+    def _hash_pick(self, rollout_id: str, candidates: list[ReplicaState]) -> ReplicaState:
+        allowed = {r.url for r in candidates}
+        point = _hash(rollout_id)
+        start = bisect.bisect(self._ring, (point, ""))
+        for i in range(len(self._ring)):
+            url = self._ring[(start + i) % len(self._ring)][1]
+            if url in allowed:
+                return self._replicas[url]
+        return candidates[0]
+
+    def call_started(self, replica: ReplicaState) -> None:
+        replica.in_flight += 1
+        replica.calls_total += 1
+
+    def call_ended(self, replica: ReplicaState, http_status: int | None) -> None:
+        """Account for a finished call; 5xx answers count towards ejection."""
+        replica.in_flight -= 1
+        if http_status is not None and http_status >= 500:
+            replica.consecutive_errors += 1
+            if replica.consecutive_errors >= self._settings.eject_after_errors:
+                self.mark_unreachable(replica, f"{replica.consecutive_errors} consecutive {http_status} answers")
+        elif http_status is not None:
+            replica.consecutive_errors = 0
+        if replica.is_draining and replica.in_flight == 0:
+            self._finish_drain(replica)
 
     def mark_unreachable(self, replica: ReplicaState, reason: str) -> None:
         if replica.is_healthy:
             logger.warning("replica %s ejected: %s", replica.url, reason)
         replica.is_healthy = False
-        replica.failures += 1
+
+    def attempt_finished(self, rollout_id: str, attempt_id: str) -> None:
+        """Release a rollout's binding once none of its attempts is left running."""
+        binding = self._sticky.get(rollout_id)
+        if binding is None:
+            return
+        binding.attempts.discard(attempt_id)
+        if not binding.attempts:
+            self._unbind(rollout_id)
+
+    def _unbind(self, rollout_id: str) -> None:
+        binding = self._sticky.pop(rollout_id, None)
+        if binding is not None:
+            binding.replica.rollouts -= 1
+
+    # -- administration ----------------------------------------------------------------
+
+    def add(self, url: str, weight_mode: str | None = None) -> ReplicaState:
+        if url in self._replicas:
+            raise Conflict(f"replica {url} is already in the pool", code="replica_exists")
+        replica = ReplicaState(url, weight_mode=weight_mode or self._settings.weight_mode)
+        self._replicas[url] = replica
+        self._rebuild_ring()
+        asyncio.get_running_loop().create_task(self._probe(replica))
+        logger.info("replica %s added (%s)", url, replica.weight_mode)
+        return replica
+
+    def get(self, url: str) -> ReplicaState:
+        replica = self._replicas.get(url)
+        if replica is None:
+            raise NotFound(f"no replica {url} in the pool", param="url", code="unknown_replica")
+        return replica
+
+    def remove(self, url: str) -> ReplicaState:
+        """Remove at once; calls in flight there run to their end."""
+        replica = self.get(url)
+        del self._replicas[url]
+        for rollout_id in [rid for rid, b in self._sticky.items() if b.replica is replica]:
+            self._unbind(rollout_id)
+        self._rebuild_ring()
+        replica.drained.set()
+        logger.info("replica %s removed", url)
+        return replica
+
+    def drain(self, url: str) -> ReplicaState:
+        """No new calls; when those in flight have ended, the replica leaves the pool."""
+        replica = self.get(url)
+        replica.is_draining = True
+        logger.info("replica %s draining (%d in flight)", url, replica.in_flight)
+        if replica.in_flight == 0:
+            self._finish_drain(replica)
+        return replica
+
+    def _finish_drain(self, replica: ReplicaState) -> None:
+        if self._replicas.get(replica.url) is replica:
+            self.remove(replica.url)
+
+    def _rebuild_ring(self) -> None:
+        self._ring = sorted((_hash(f"{url}#{i}"), url) for url in self._replicas for i in range(_VNODES))
+
+    # -- probes ------------------------------------------------------------------------
 
     async def start(self) -> None:
         self._task = asyncio.create_task(self._probe_loop(), name="rolltap-replica-probe")
@@ -87,7 +266,13 @@ class Balancer:
         while True:
             await asyncio.gather(*(self._probe(r) for r in list(self._replicas.values())))
             self._first_probe.set()
+            self._forget_idle_rollouts()
             await asyncio.sleep(self._probe_interval_s)
+
+    def _forget_idle_rollouts(self) -> None:
+        horizon = time.monotonic() - self._settings.sticky_idle_s
+        for rollout_id in [rid for rid, b in self._sticky.items() if b.last_used < horizon]:
+            self._unbind(rollout_id)
 
     async def _probe(self, replica: ReplicaState) -> None:
         try:
@@ -97,9 +282,27 @@ class Balancer:
             if not replica.models:
                 status, body, _ = await self._upstream.get(replica.url, "/v1/models", timeout_s=5.0)
                 replica.models = [m["id"] for m in orjson.loads(body).get("data", [])] if status == 200 else []
+            if self._settings.use_replica_metrics:
+                status, body, _ = await self._upstream.get(replica.url, "/metrics", timeout_s=5.0)
+                if status == 200:
+                    self._read_metrics(replica, body)
         except (RolltapError, ValueError, KeyError) as exc:
             self.mark_unreachable(replica, str(exc))
             return
         if not replica.is_healthy:
             logger.info("replica %s healthy (models: %s)", replica.url, ", ".join(replica.models))
+            replica.consecutive_errors = 0
         replica.is_healthy = True
+
+    @staticmethod
+    def _read_metrics(replica: ReplicaState, body: bytes) -> None:
+        values = {"num_requests_running": 0.0, "num_requests_waiting": 0.0, "kv_cache_usage_perc": 0.0}
+        for name, value in _METRIC_LINE.findall(body):
+            values[name.decode()] += float(value)  # summed over engines
+        replica.running = values["num_requests_running"]
+        replica.waiting = values["num_requests_waiting"]
+        replica.kv_usage = min(1.0, values["kv_cache_usage_perc"])
+
+
+def _hash(key: str) -> int:
+    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "big")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 from typing import Any
 
 import uvicorn
@@ -44,6 +45,13 @@ def parse_settings(argv: list[str] | None = None) -> Settings:
     return Settings(**overrides)
 
 
+def _exit_cleanly(signum: int, frame: object) -> None:
+    # uvicorn re-raises the SIGTERM it handled once its graceful shutdown is over. By then
+    # in-flight calls have ended and records are flushed (or spooled): a clean stop, so exit 0
+    # rather than die by the signal (143), which supervisors and `docker stop` report as a failure.
+    raise SystemExit(0)
+
+
 def main(argv: list[str] | None = None) -> None:
     settings = parse_settings(argv)
     level = settings.proxy.log_level.upper()
@@ -60,6 +68,7 @@ def main(argv: list[str] | None = None) -> None:
         timeout_graceful_shutdown=int(settings.proxy.shutdown_timeout_s),
         lifespan="on",
     )
+    signal.signal(signal.SIGTERM, _exit_cleanly)  # restored by uvicorn after its shutdown, then re-raised
     uvicorn.Server(config).run()
 
 

@@ -11,11 +11,11 @@ from collections import defaultdict
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import Insert, select, update
+from sqlalchemy import Insert, func, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from shared.db.models import Attempt, Call, PolicyVersion, Reward, Rollout
+from shared.db.models import Attempt, Call, PolicyVersion, Replica, Reward, Rollout
 from shared.errors import Conflict, NotFound
 from shared.types import CallRecord
 
@@ -26,6 +26,8 @@ __all__ = [
     "read_attempt",
     "register_rollout",
     "save_base_policy",
+    "set_active_policy",
+    "upsert_replica",
     "write_calls",
 ]
 
@@ -204,6 +206,25 @@ async def read_attempt(conn: AsyncConnection, rollout_id: str, attempt_id: str) 
             for c in calls
         ],
     }
+
+
+async def upsert_replica(conn: AsyncConnection, url: str, weight_mode: str, state: str) -> None:
+    stmt = _insert(conn, Replica).values(url=url, weight_mode=weight_mode, state=state)
+    await conn.execute(stmt.on_conflict_do_update(
+        index_elements=["url"], set_={"weight_mode": stmt.excluded.weight_mode, "state": stmt.excluded.state,
+                                      "updated_at": func.now()}))
+
+
+async def set_active_policy(conn: AsyncConnection, version: int, served_name: str, kind: str,
+                            base_model: str | None, path: str | None) -> None:
+    """Make `version` the one active policy (recording it if new)."""
+    await conn.execute(update(PolicyVersion).where(PolicyVersion.version != version).values(is_active=False))
+    stmt = _insert(conn, PolicyVersion).values(version=version, served_name=served_name, kind=kind,
+                                               base_model=base_model, path=path, is_active=True)
+    await conn.execute(stmt.on_conflict_do_update(
+        index_elements=["version"], set_={"served_name": stmt.excluded.served_name, "kind": stmt.excluded.kind,
+                                          "base_model": stmt.excluded.base_model, "path": stmt.excluded.path,
+                                          "is_active": True}))
 
 
 async def load_active_policy(conn: AsyncConnection) -> tuple[int, str] | None:

@@ -26,7 +26,7 @@ from pydantic_settings import (
     YamlConfigSettingsSource,
 )
 
-__all__ = ["DbSettings", "ProxySettings", "RecorderSettings", "Settings", "TrainerSettings"]
+__all__ = ["DbSettings", "PoolSettings", "ProxySettings", "RecorderSettings", "Settings", "TrainerSettings"]
 
 CONFIG_ENV = "ROLLTAP_CONFIG"
 
@@ -80,6 +80,42 @@ class RecorderSettings(BaseModel):
     )
 
 
+class PoolSettings(BaseModel):
+    """How calls are spread over replicas, and how failures are handled."""
+
+    policy: Literal["sticky_least_loaded", "least_outstanding", "round_robin", "consistent_hash"] = Field(
+        default="sticky_least_loaded",
+        description="`sticky_least_loaded`: a new rollout goes to the least-loaded healthy replica and stays "
+        "there (prefix cache) until its attempts finish or go idle. Others: per call.",
+    )
+    sticky_idle_s: float = Field(
+        default=300.0, gt=0, description="A rollout with no call for this long loses its replica binding."
+    )
+    use_replica_metrics: bool = Field(
+        default=True,
+        description="Refine load with the replica's own `/metrics` (requests running and waiting, KV-cache use), "
+        "scraped by the probe loop.",
+    )
+    eject_after_errors: int = Field(
+        default=3, ge=1, description="Consecutive 5xx answers that eject a replica until its probe passes again."
+    )
+    max_retries: int = Field(
+        default=2,
+        ge=0,
+        description="Retries on another replica for connect errors, 429 and 503, only before any byte "
+        "reached the client.",
+    )
+    retry_backoff_s: float = Field(default=0.05, ge=0, description="First retry delay; doubles each retry.")
+    weight_mode: Literal["none", "lora", "full"] = Field(
+        default="none",
+        description="How replicas given on the command line take new weights: `lora` (started with "
+        "--enable-lora), `full` (VLLM_SERVER_DEV_MODE=1), or `none`.",
+    )
+    pause_wait_s: float = Field(
+        default=30.0, gt=0, description="While admission is paused, how long a new call waits before a 503."
+    )
+
+
 class ProxySettings(BaseModel):
     """The HTTP front."""
 
@@ -113,6 +149,12 @@ class ProxySettings(BaseModel):
         default=30.0, gt=0, description="On SIGTERM: how long in-flight calls and the record flush may take."
     )
     recorder: RecorderSettings = Field(default_factory=RecorderSettings)
+    pool: PoolSettings = Field(default_factory=PoolSettings)
+    litellm_config: Path | None = Field(
+        default=None,
+        description="YAML file with a LiteLLM `model_list`: hosted models (OpenAI, Anthropic, Azure, any "
+        "OpenAI-compatible server) served through LiteLLM's Router when a call names them.",
+    )
     log_level: str = Field(default="info", description="Python logging level name.")
 
     @field_validator("replicas", mode="before")

@@ -68,7 +68,8 @@ def make_settings(db_url: str, replicas: list[str], tmp_path: Path, **proxy: Any
     recorder = proxy.pop("recorder", {})
     return Settings(
         db={"url": db_url},
-        proxy={"replicas": replicas, "health_interval_s": 0.5, "shutdown_timeout_s": 10,
+        # port 0: a free port per proxy (the default 8000 collides between concurrent test runs)
+        proxy={"replicas": replicas, "port": 0, "health_interval_s": 0.5, "shutdown_timeout_s": 10,
                "recorder": {"spool_dir": str(tmp_path / "spool"), **recorder}, **proxy},
     )
 

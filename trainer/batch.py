@@ -58,9 +58,10 @@ class Batch:
         """The same data as a `verl.DataProto` (raises ImportError without verl)."""
         from verl import DataProto
 
-        return DataProto.from_dict(
+        proto: DataProto = DataProto.from_dict(
             tensors=dict(self.tensors), non_tensors=dict(self.non_tensors), meta_info=dict(self.meta_info)
         )
+        return proto
 
     def as_verl_or_dict(self) -> DataProto | dict[str, Any]:
         """A DataProto when verl is importable, else one dict of tensors and numpy arrays."""

@@ -74,7 +74,7 @@ def eligible_statuses(settings: TrainerSettings) -> tuple[str, ...]:
     return ("succeeded", "failed") if settings.include_failed else ("succeeded",)
 
 
-def eligible_attempts(settings: TrainerSettings, current_version: int) -> Select[tuple[int, str, str, str, int, datetime]]:
+def eligible_attempts(settings: TrainerSettings, current_version: int) -> Select[int, str, str, str, int, datetime]:
     """Eligible attempts as (pk, rollout_id, attempt_id, group_key, policy_version, finished_at)."""
     version = func.coalesce(Attempt.policy_version, 0)
     same_attempt = and_(Reward.rollout_id == Attempt.rollout_id, Reward.attempt_id == Attempt.attempt_id)

@@ -113,6 +113,7 @@ async def finish(key: AttemptKey, body: FinishIn, request: Request) -> dict[str,
         await store.finish_attempt(conn, *key, body.status, body.reward)
 
     await recorder.run(op, settings.finish_timeout_s)
+    request.app.state.balancer.attempt_finished(*key)  # its replica binding may go
     return {"object": "rolltap.attempt", "rollout_id": key[0], "attempt_id": key[1], "status": body.status,
             "is_durable": True}
 

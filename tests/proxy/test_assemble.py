@@ -192,6 +192,10 @@ def test_messages_tool_use_assembles_to_its_twin() -> None:
                         {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}}],
             "stop_reason": "tool_use", "stop_sequence": None, "usage": {"input_tokens": 9, "output_tokens": 7}}
     assert assembled == twin
+    # Cut mid-input: what arrived is kept as text rather than lost or half-parsed.
+    cut = b"".join(b"data: " + orjson.dumps(e) + b"\n\n" for e in events[:8])
+    block = assemble_stream(Route.MESSAGES, list(iter_data(cut)))["content"][1]
+    assert block["partial_json"] == '{"city": ' and block["input"] == {}
 
 
 def test_error_event_mid_stream_is_kept() -> None:

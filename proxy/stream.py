@@ -1,0 +1,103 @@
+"""Relaying a server-sent event stream to the client, chunk by chunk, recorded whatever happens."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import anyio
+import orjson
+from starlette.responses import Response
+from starlette.types import Message, Receive, Scope, Send
+
+from shared.types import CallStatus
+
+__all__ = ["RelayStream", "is_terminal"]
+
+
+def is_terminal(chunk: bytes) -> bool:
+    """Does this chunk end the event stream (OpenAI's `[DONE]`, Anthropic's `message_stop`)?
+
+    Both markers are safe from false positives: inside a JSON string, generated text has
+    its quotes escaped, and `[DONE]` only counts as a whole final data line.
+    """
+    return chunk.rstrip().endswith(b"data: [DONE]") or b'{"type":"message_stop"' in chunk
+
+
+class RelayStream(Response):
+    """An ASGI response that relays a stream as it arrives and always finishes the call.
+
+    Not a `StreamingResponse` over a generator: a generator abandoned at `yield` when the
+    client leaves is finalised whenever the garbage collector gets to it. Here a watcher
+    on `receive()` notices the disconnect and cancels the relay; then `close()` drops the
+    replica's connection (vLLM aborts the request) and `finish()` records the call, all
+    before this returns. A failing source ends the stream with a final error event: bytes
+    have reached the client already, so no other replica may be tried.
+    """
+
+    def __init__(
+        self,
+        call: object,
+        chunks: AsyncIterator[bytes],
+        *,
+        status_code: int,
+        headers: list[tuple[bytes, bytes]],
+        max_kept_bytes: int,
+        close: Callable[[], None],
+        on_source_error: Callable[[BaseException], dict[str, object]],
+        finish: Callable[[bytes, bool], Awaitable[None]],
+    ) -> None:
+        self._call = call
+        self._chunks = chunks
+        self.status_code = status_code
+        self.raw_headers = headers
+        self.background = None
+        self._max_kept = max_kept_bytes
+        self._close = close
+        self._on_source_error = on_source_error
+        self._finish = finish
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        call = self._call
+        is_complete = False
+        kept: list[bytes] = []
+        kept_bytes = 0
+        truncated = False
+        try:
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            async with anyio.create_task_group() as tg:
+
+                async def watch_disconnect() -> None:
+                    message: Message = await receive()
+                    while message["type"] != "http.disconnect":
+                        message = await receive()
+                    if not is_complete:
+                        call.fail(CallStatus.CLIENT_DISCONNECTED,  # type: ignore[attr-defined]
+                                  {"message": "client disconnected before the response ended",
+                                   "type": "client_disconnected"})
+                        tg.cancel_scope.cancel()
+
+                tg.start_soon(watch_disconnect)
+                try:
+                    async for chunk in self._chunks:
+                        if kept_bytes + len(chunk) <= self._max_kept:
+                            kept.append(chunk)
+                            kept_bytes += len(chunk)
+                        else:
+                            truncated = True
+                        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                        # Clients hang up on the terminal event without waiting for the
+                        # source to close: from here on, leaving is not a disconnect.
+                        if is_terminal(chunk):
+                            is_complete = True
+                    is_complete = True
+                    await send({"type": "http.response.body", "body": b"", "more_body": False})
+                except Exception as exc:  # noqa: BLE001 - any source failure ends the stream the same way
+                    is_complete = True
+                    error = self._on_source_error(exc)
+                    await send({"type": "http.response.body",
+                                "body": b"data: " + orjson.dumps({"error": error}) + b"\n\n", "more_body": False})
+                tg.cancel_scope.cancel()
+        finally:
+            self._close()
+            with anyio.CancelScope(shield=True):
+                await self._finish(b"".join(kept), truncated)

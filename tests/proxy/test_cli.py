@@ -1,0 +1,172 @@
+"""The real `rolltap-proxy` console script: flags, their environment twins, SIGTERM, bad config."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from sqlalchemy import create_engine, text
+
+from shared.db.engine import sync_url
+from tests.support.fault_replica import FaultReplica
+from tests.support.servers import free_port, serve_in_thread
+
+SCRIPT = Path(sys.executable).parent / "rolltap-proxy"
+
+
+@pytest.fixture(scope="module")
+def replica() -> Iterator[str]:
+    with serve_in_thread(FaultReplica()) as (url, _):
+        yield url
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLTAP_")}
+    return {**env, "PYTHONUNBUFFERED": "1", **extra}
+
+
+@contextmanager
+def running(args: list[str], cwd: Path, port: int, **env: str) -> Iterator[subprocess.Popen[str]]:
+    """Start the script, wait until it answers `/healthz`, and make sure it is gone afterwards."""
+    log = open(cwd / "proxy.log", "w+")  # a file, not a pipe: a full pipe would stall the proxy
+    proc = subprocess.Popen([str(SCRIPT), *args], cwd=cwd, env=_env(**env), stdout=log, stderr=subprocess.STDOUT,
+                            text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            if proc.poll() is not None:
+                raise AssertionError(f"rolltap-proxy exited {proc.returncode}:\n{(cwd / 'proxy.log').read_text()}")
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise AssertionError("rolltap-proxy did not start:\n" + (cwd / "proxy.log").read_text())
+            time.sleep(0.1)
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+        log.close()
+
+
+def _rows(db_url: str) -> list[Any]:
+    engine = create_engine(sync_url(db_url))
+    try:
+        with engine.connect() as conn:
+            return list(conn.execute(text(
+                "SELECT call_id, rollout_id, seq, status, is_streaming, completion_token_ids, finish_reason "
+                "FROM calls ORDER BY started_at")).all())
+    finally:
+        engine.dispose()
+
+
+def _chat(port: int, rollout: str, **body: Any) -> httpx.Response:
+    return httpx.post(f"http://127.0.0.1:{port}/rollout/{rollout}/attempt/0/v1/chat/completions",
+                      json={"model": "m", "messages": [{"role": "user", "content": "hi"}], **body}, timeout=30)
+
+
+def test_flags_then_sigterm_lets_a_stream_finish(replica: str, tmp_path: Path) -> None:
+    port, db_url = free_port(), f"sqlite:///{tmp_path / 'cli.db'}"
+    args = ["--replica", replica, "--db", db_url, "--host", "127.0.0.1", "--port", str(port)]
+    with running(args, tmp_path, port) as proc:
+        ready = httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=10)
+        assert ready.status_code == 200, ready.text
+        first = _chat(port, "cli", max_tokens=2)
+        assert first.status_code == 200 and first.json()["choices"][0]["message"]["content"] == "ok"
+
+        # A slow stream: 10 chunks, 0.2 s apart. SIGTERM arrives while it runs.
+        chunks: list[bytes] = []
+        first_chunk = threading.Event()
+        failure: list[BaseException] = []
+
+        def stream() -> None:
+            try:
+                body = {"model": "m", "messages": [], "stream": True, "max_tokens": 10, "fault": {"delay_s": 0.2}}
+                with httpx.stream("POST", f"http://127.0.0.1:{port}/rollout/cli/attempt/0/v1/chat/completions",
+                                  json=body, timeout=30) as response:
+                    assert response.status_code == 200
+                    for chunk in response.iter_raw():
+                        chunks.append(chunk)
+                        first_chunk.set()
+            except BaseException as exc:  # noqa: BLE001 - handed to the test's thread
+                failure.append(exc)
+                first_chunk.set()
+
+        client = threading.Thread(target=stream)
+        client.start()
+        assert first_chunk.wait(30)
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        # Stop accepting: a new connection is refused while the stream is still going.
+        assert proc.poll() is None and client.is_alive()
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2)
+        client.join(timeout=30)
+        assert proc.wait(timeout=30) == 0, (tmp_path / "proxy.log").read_text()
+
+    assert not failure, failure
+    raw = b"".join(chunks)
+    events = [line for line in raw.split(b"\n") if line.startswith(b"data: ")]
+    assert len(events) == 11 and events[-1] == b"data: [DONE]"  # the whole stream, to the end
+
+    rows = _rows(db_url)
+    assert [(r.seq, r.status, r.is_streaming) for r in rows] == [(0, "ok", False), (1, "ok", True)]
+    streamed = rows[1]
+    assert streamed.finish_reason == "length"
+    assert json.loads(streamed.completion_token_ids) == list(range(100, 110))  # SQLite hands JSON back as text
+
+
+def test_environment_equivalents(replica: str, tmp_path: Path) -> None:
+    port, db_url = free_port(), f"sqlite:///{tmp_path / 'env.db'}"
+    env = {"ROLLTAP_PROXY__REPLICAS": f"{replica}/v1", "ROLLTAP_DB__URL": db_url, "ROLLTAP_PROXY__PORT": str(port),
+           "ROLLTAP_PROXY__RECORDER__SPOOL_DIR": str(tmp_path / "spool")}
+    with running([], tmp_path, port, **env) as proc:
+        assert httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=10).status_code == 200
+        assert _chat(port, "env", max_tokens=2).status_code == 200
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    assert [(r.rollout_id, r.status) for r in _rows(db_url)] == [("env", "ok")]
+
+
+def test_flags_win_over_environment(replica: str, tmp_path: Path) -> None:
+    port, env_port = free_port(), free_port()
+    db_url = f"sqlite:///{tmp_path / 'flag.db'}"
+    env = {"ROLLTAP_PROXY__REPLICAS": "http://127.0.0.1:9", "ROLLTAP_DB__URL": f"sqlite:///{tmp_path / 'env.db'}",
+           "ROLLTAP_PROXY__PORT": str(env_port)}
+    args = ["--replica", replica, "--db", db_url, "--port", str(port)]
+    with running(args, tmp_path, port, **env) as proc:
+        assert _chat(port, "flag", max_tokens=2).status_code == 200
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    assert len(_rows(db_url)) == 1
+    assert not (tmp_path / "env.db").exists()
+
+
+def test_no_replica_is_a_clear_error(tmp_path: Path) -> None:
+    out = subprocess.run([str(SCRIPT), "--db", f"sqlite:///{tmp_path / 'x.db'}"], cwd=tmp_path, env=_env(),
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0
+    assert "no replica configured" in out.stderr and "--replica" in out.stderr
+    assert "Traceback" not in out.stderr
+    assert not (tmp_path / "x.db").exists()  # refused before touching anything
+
+
+def test_bad_replica_url_is_a_clear_error(tmp_path: Path) -> None:
+    out = subprocess.run([str(SCRIPT), "--replica", "localhost:8000"], cwd=tmp_path, env=_env(),
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0
+    assert "replica URL must start with http" in out.stderr
