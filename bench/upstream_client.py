@@ -689,13 +689,17 @@ def main(argv: list[str] | None = None) -> None:
         medians = [_median_cell([run[i] for run in runs]) for i in range(len(runs[0]))]
         print(f"\n## median of {len(runs)} repeats\n\n{format_table(medians)}")
     # Who won each cell, per repeat: the stability of the ranking is the result.
-    print("\n## fastest forwarder per cell (req/s), per repeat")
+    # "none" is a floor, not a candidate, so it is left out of the ranking.
+    print("\n## fastest client per cell (req/s / forwarder CPU per request), per repeat")
     n_cells = len(runs[0])
     for i in range(0, n_cells, len(clients) + 1):
-        group = [[run[i + j] for j in range(1, len(clients) + 1)] for run in runs]
-        winners = [max(g, key=lambda c: c.rps).target for g in group]
+        groups = [[c for c in run[i + 1 : i + len(clients) + 1] if c.target != "none"] for run in runs]
+        if not groups[0]:
+            break
+        by_rps = [max(g, key=lambda c: c.rps).target for g in groups]
+        by_cpu = [min(g, key=lambda c: c.cpu_us_per_req or float("inf")).target for g in groups]
         c0 = runs[0][i]
-        print(f"  {c0.mode:10s} c={c0.concurrency:<3d}: {' '.join(winners)}")
+        print(f"  {c0.mode:10s} c={c0.concurrency:<3d}: req/s {' '.join(by_rps)} | CPU {' '.join(by_cpu)}")
 
 
 if __name__ == "__main__":

@@ -45,20 +45,22 @@ Values come, highest priority first, from:
 """
 
 
-def _is_model(annotation: Any) -> bool:
-    return isinstance(annotation, type) and issubclass(annotation, BaseModel)
+def _section(annotation: Any) -> type[BaseModel] | None:
+    """The model of a nested section, or None for a leaf setting."""
+    return annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
 
 
 def iter_sections(
     model: type[BaseModel] = Settings, path: tuple[str, ...] = ()
 ) -> Iterator[tuple[tuple[str, ...], type[BaseModel], list[tuple[str, FieldInfo]]]]:
     """(path, model, leaf fields) for every nested settings model, depth first."""
-    leaves = [(name, info) for name, info in model.model_fields.items() if not _is_model(info.annotation)]
+    leaves = [(name, info) for name, info in model.model_fields.items() if _section(info.annotation) is None]
     if path:
         yield path, model, leaves
     for name, info in model.model_fields.items():
-        if _is_model(info.annotation):
-            yield from iter_sections(info.annotation, (*path, name))
+        section = _section(info.annotation)
+        if section is not None:
+            yield from iter_sections(section, (*path, name))
 
 
 def _type_name(annotation: Any) -> str:

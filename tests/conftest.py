@@ -69,7 +69,7 @@ def make_settings(db_url: str, replicas: list[str], tmp_path: Path, **proxy: Any
     return Settings(
         db={"url": db_url},
         # port 0: a free port per proxy (the default 8000 collides between concurrent test runs)
-        proxy={"replicas": replicas, "port": 0, "health_interval_s": 0.5, "shutdown_timeout_s": 10,
+        proxy={"replicas": replicas, "port": 0, "health_interval_s": 0.5, "shutdown_timeout_s": 10, "admin_token": "t",
                "recorder": {"spool_dir": str(tmp_path / "spool"), **recorder}, **proxy},
     )
 

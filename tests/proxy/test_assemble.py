@@ -35,7 +35,7 @@ OPENAI_PAIRS = [
 
 
 def _route(name: str) -> str:
-    return INDEX[name]["path"].removeprefix("/v1/")
+    return str(INDEX[name]["path"]).removeprefix("/v1/")
 
 
 def _stream(name: str) -> list[str]:
@@ -167,7 +167,7 @@ def test_chat_tool_call_deltas_merge_per_call_and_choice() -> None:
 
 def test_messages_tool_use_assembles_to_its_twin() -> None:
     # Anthropic streams tool input as `input_json_delta` pieces; the non-streamed twin has the object.
-    events = [
+    events: list[dict[str, Any]] = [
         {"type": "message_start", "message": {"id": "msg_1", "type": "message", "role": "assistant", "content": [],
                                               "model": "m", "stop_reason": None, "stop_sequence": None,
                                               "usage": {"input_tokens": 9, "output_tokens": 0}}},

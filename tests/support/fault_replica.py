@@ -43,6 +43,7 @@ class FaultStats:
 class FaultReplica:
     def __init__(self) -> None:
         self.stats = FaultStats()
+        self.default_fault: dict[str, Any] = {}  # applied when a request names none
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
@@ -53,6 +54,13 @@ class FaultReplica:
         path = scope["path"]
         if path == "/health":
             await self._json(send, 200, {})
+            return
+        if path == "/metrics":
+            data = (f'vllm:num_requests_running{{model_name="{MODEL}"}} 0.0\n'
+                    f'vllm:num_requests_waiting{{model_name="{MODEL}"}} 0.0\n'
+                    f'vllm:kv_cache_usage_perc{{model_name="{MODEL}"}} 0.0\n').encode()
+            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+            await send({"type": "http.response.body", "body": data})
             return
         if path == "/v1/models":
             await self._json(send, 200, {"object": "list", "data": [{"id": MODEL, "object": "model"}]})
@@ -66,7 +74,7 @@ class FaultReplica:
         request = orjson.loads(body) if body else {}
         self.stats.requests += 1
         self.stats.bodies.append(request)
-        fault = request.get("fault") or {}
+        fault = request.get("fault") or self.default_fault
         if "status" in fault:
             await self._json(send, fault["status"], {"error": {"message": "injected", "type": "injected",
                                                                "param": None, "code": fault["status"]}})
