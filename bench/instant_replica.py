@@ -695,6 +695,29 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+def exit_with_parent(parent_pid: int, interval_s: float = 1.0) -> None:
+    """SIGTERM this process once ``parent_pid`` is gone (polled from a daemon thread).
+
+    Children started by ``start_instant_replica`` (and the benchmark's
+    forwarders) use this so a test or benchmark that dies without calling
+    ``stop()`` -- SIGKILL, a SIGPIPE'd script -- does not leave servers behind.
+    Polling rather than PR_SET_PDEATHSIG: that fires when the *thread* that
+    spawned us exits, which would kill a replica started from a worker thread.
+    """
+    import threading
+
+    def watch() -> None:
+        while True:
+            time.sleep(interval_s)
+            if os.getppid() != parent_pid:
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+
+    if os.getppid() != parent_pid:  # parent died before we got here
+        os.kill(os.getpid(), signal.SIGTERM)
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
+
+
 def _url(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
@@ -771,6 +794,8 @@ def start_instant_replica(
         os.path.abspath(__file__),
         "--fd",
         str(fd),
+        "--parent-pid",
+        str(os.getpid()),
         "--model-name",
         model_name,
         "--delay-ms",
@@ -824,8 +849,12 @@ def main(argv: list[str] | None = None) -> None:
         help="write each SSE event separately (default: the whole stream in one write)",
     )
     p.add_argument("--impl", choices=("protocol", "asgi"), default="protocol")
-    p.add_argument("--fd", type=int, default=None, help=argparse.SUPPRESS)  # used by start_instant_replica
+    # Used by start_instant_replica: inherited listening socket, and who to outlive no longer than.
+    p.add_argument("--fd", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.parent_pid is not None:
+        exit_with_parent(args.parent_pid)
     if args.fd is not None:
         sock = socket.socket(fileno=args.fd)  # family/type auto-detected from the fd
     else:

@@ -421,7 +421,7 @@ def start_forwarder(client: ClientKind, upstream: str, max_connections: int) -> 
     sock = _listen()
     port = sock.getsockname()[1]
     cmd = [sys.executable, "-m", "bench.upstream_client", "serve", "--client", client, "--upstream", upstream]
-    cmd += ["--fd", str(sock.fileno()), "--max-connections", str(max_connections)]
+    cmd += ["--fd", str(sock.fileno()), "--max-connections", str(max_connections), "--parent-pid", str(os.getpid())]
     try:
         proc = subprocess.Popen(cmd, pass_fds=(sock.fileno(),), cwd=REPO_ROOT, stdin=subprocess.DEVNULL)
     finally:
@@ -639,8 +639,13 @@ def main(argv: list[str] | None = None) -> None:
         sp.add_argument("--upstream", required=True)
         sp.add_argument("--port", type=int, default=8100)
         sp.add_argument("--fd", type=int, default=None)
+        sp.add_argument("--parent-pid", type=int, default=None, help="exit when this process is gone")
         sp.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS)
         a = sp.parse_args(argv[1:])
+        if a.parent_pid is not None:
+            from bench.instant_replica import exit_with_parent
+
+            exit_with_parent(a.parent_pid)
         if a.fd is not None:
             sock = socket.socket(fileno=a.fd)
         else:

@@ -19,7 +19,7 @@ from shared.settings import ProxySettings
 
 __all__ = ["Upstream", "upstream_errors"]
 
-JSON_HEADERS = {"content-type": "application/json", "accept": "*/*"}
+JSON_HEADERS = {"content-type": "application/json", "accept": "*/*"}  # the client's Accept-Encoding is never forwarded
 
 
 @asynccontextmanager
@@ -44,15 +44,20 @@ class Upstream:
     def session(self) -> aiohttp.ClientSession:
         if self._session is None:
             # Created lazily so it binds to the running loop (uvicorn's), not the importer's.
+            # keepalive 4 s: below vLLM's 5 s idle timeout, or a POST can land on a socket the
+            # replica is closing (aiohttp never retries a POST).
             connector = aiohttp.TCPConnector(
-                limit=self._settings.max_connections, limit_per_host=0, enable_cleanup_closed=True
+                limit=self._settings.max_connections, limit_per_host=0, keepalive_timeout=4.0,
+                ttl_dns_cache=300, enable_cleanup_closed=True,
             )
             timeout = aiohttp.ClientTimeout(
                 total=None, connect=self._settings.connect_timeout_s, sock_read=self._settings.read_timeout_s
             )
             # auto_decompress off: bytes go to the client exactly as the replica sent them.
+            # identity encoding + no auto-decompression: the recorder parses what the client gets.
             self._session = aiohttp.ClientSession(
-                connector=connector, timeout=timeout, auto_decompress=False, raise_for_status=False
+                connector=connector, timeout=timeout, auto_decompress=False, raise_for_status=False,
+                headers={"accept-encoding": "identity"}, trust_env=False, cookie_jar=aiohttp.DummyCookieJar(),
             )
         return self._session
 

@@ -241,6 +241,92 @@ class TrainerSettings(BaseModel):
         "without token IDs (hosted providers). Without it such calls are dropped (`no_tokens`).",
     )
 
+    # The update (trainer/update.py, trainer/algos.py): verl's estimators and PPO loss.
+    adv_estimator: Literal["grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gae"] = Field(
+        default="grpo",
+        description="Advantage estimator (verl's `core_algos`): `grpo` (reward minus group mean, over the group "
+        "std), `rloo` (minus the mean of the other members), `reinforce_plus_plus` (discounted return, whitened), "
+        "`reinforce_plus_plus_baseline` (minus group mean, whitened), `gae` (needs a critic's values).",
+    )
+    norm_adv_by_std_in_grpo: bool = Field(
+        default=True, description="Divide GRPO advantages by the group's std; off gives Dr. GRPO."
+    )
+    adv_gamma: float = Field(
+        default=1.0, ge=0, le=1, description="Discount per token for `reinforce_plus_plus` and `gae`."
+    )
+    gae_lambda: float = Field(default=1.0, ge=0, le=1, description="GAE's lambda (`adv_estimator = gae`).")
+    clip_ratio_low: float = Field(
+        default=0.2, gt=0, lt=1, description="PPO clip: the ratio is kept above `1 - clip_ratio_low`."
+    )
+    clip_ratio_high: float = Field(
+        default=0.2, gt=0, description="PPO clip: the ratio is kept below `1 + clip_ratio_high` (0.28 is DAPO's)."
+    )
+    clip_ratio_c: float = Field(
+        default=3.0, gt=1, description="Dual-clip PPO: the loss of a negative-advantage token is capped at "
+        "`clip_ratio_c` times its advantage."
+    )
+    loss_agg_mode: Literal[
+        "token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
+    ] = Field(default="token-mean", description="How per-token losses become one number (verl's `agg_loss`).")
+    entropy_coeff: float = Field(default=0.0, ge=0, description="Weight of the entropy bonus in the loss.")
+    kl_coef: float = Field(
+        default=0.0,
+        ge=0,
+        description="Weight of the KL-to-reference loss; 0 turns it off. The reference is the base model "
+        "(the adapter switched off with LoRA; a frozen second copy with full weights).",
+    )
+    kl_type: Literal["low_var_kl", "k3", "kl", "k1", "abs", "mse", "k2", "low_var_kl+", "k3+"] = Field(
+        default="low_var_kl",
+        description="KL estimator for `kl_coef` (verl's `kl_penalty`); a trailing `+` uses k2's unbiased gradient.",
+    )
+    rollout_is: Literal["token", "sequence", "off"] = Field(
+        default="token",
+        description="Off-policy correction with the replica's logprobs: truncated importance weights "
+        "pi_trainer / pi_replica per token or per sequence, or `off`. Rows recorded without logprobs get weight 1.",
+    )
+    rollout_is_threshold: float = Field(
+        default=2.0, gt=0, description="Importance weights above this are truncated to it (TIS)."
+    )
+    ppo_epochs: int = Field(default=1, ge=1, description="Passes over each batch per update.")
+    micro_batch_size: int = Field(
+        default=1,
+        ge=1,
+        description="Rows per forward/backward on each worker; gradients accumulate over a mini-batch. "
+        "`mini_batch_size / num_workers` must be a multiple of it.",
+    )
+    lr: float = Field(default=1e-5, gt=0, description="AdamW learning rate (constant).")
+    weight_decay: float = Field(default=0.01, ge=0, description="AdamW weight decay.")
+    grad_clip: float = Field(default=1.0, gt=0, description="Gradients are clipped to this global L2 norm.")
+    lora_rank: int = Field(
+        default=32, ge=0, description="LoRA rank; 0 trains the full weights (and exports full weights)."
+    )
+    lora_alpha: int = Field(default=64, gt=0, description="LoRA alpha (the update is scaled by alpha / rank).")
+    lora_target_modules: list[str] = Field(
+        default_factory=lambda: ["all-linear"],
+        description="Module names LoRA adapts; `[\"all-linear\"]` means every linear layer but the output head.",
+    )
+    backend: Literal["local", "ray"] = Field(
+        default="local",
+        description="`local`: verl's worker in the trainer process (one device); `ray`: a verl Ray worker group "
+        "of `num_workers` FSDP2 ranks.",
+    )
+    num_workers: int = Field(default=1, ge=1, description="Workers (FSDP2 ranks) of the `ray` backend.")
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        default="auto", description="Where to train; `auto` is CUDA when available, else CPU."
+    )
+    ray_object_store_mb: int = Field(
+        default=512,
+        ge=100,
+        description="Object store size when the trainer starts Ray itself (Ray's default takes ~30% of RAM).",
+    )
+    seed: int = Field(default=42, description="Seeds the LoRA initialisation and the mini-batch order.")
+    checkpoint_dir: str | None = Field(
+        default=None,
+        description="Directory of update checkpoints (model, optimizer, step), one subdirectory per step "
+        "and a `latest` pointer; a restarted trainer resumes from it. Must be shared by all Ray nodes.",
+    )
+    keep_checkpoints: int = Field(default=2, ge=1, description="Checkpoints kept in `checkpoint_dir`.")
+
 
 class Settings(BaseSettings):
     """Everything configurable, in one object."""

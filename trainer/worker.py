@@ -1,0 +1,152 @@
+"""The verl worker that holds the policy: verl's `TrainingWorker` plus what rolltap adds.
+
+`PolicyWorker` is verl's `TrainingWorker` (FSDP2 engine, optimizer, `infer_batch`,
+`train_mini_batch`, sharded checkpoints) with four additions, each a registered worker
+method so it runs the same in-process and on every worker of a Ray `RayWorkerGroup`:
+
+- `init_model(seed)`: seeds torch before the engine builds the model, so the LoRA
+  initialisation is the same in every run (rank 0's copy is broadcast to the others);
+- `ref_log_prob(data)`: logprobs under the reference policy (for the KL loss): the base
+  model with the adapter switched off when training LoRA, else a second, frozen copy;
+- `export_policy(out_dir, kind)`: the policy as a PEFT adapter or a full HF directory;
+- `training_state()`: full trainable parameters and optimizer state (checks and tests).
+
+Importing this module imports verl's engines, which read the platform once: in the driver,
+call `trainer.verl_cpu.setup()` first (`trainer.update` does); Ray workers get it from
+their environment (`trainer.verl_cpu.worker_env`).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from copy import deepcopy
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from tensordict import TensorDict
+from verl.single_controller.base.decorator import Dispatch, make_nd_compute_dataproto_dispatch_fn, register
+from verl.utils import tensordict_utils as tu
+from verl.workers.config import TrainingWorkerConfig
+from verl.workers.engine_workers import TrainingWorker
+
+from trainer import verl_cpu
+
+__all__ = ["PolicyWorker"]
+
+
+class PolicyWorker(TrainingWorker):  # type: ignore[misc]
+    """verl's `TrainingWorker` for the policy, with a reference, export and inspection."""
+
+    def __init__(self, config: TrainingWorkerConfig, device: str, with_ref_model: bool = False) -> None:
+        verl_cpu.init_process_group(device)  # before TrainingWorker picks a backend (verl_cpu item 3)
+        super().__init__(config)
+        self.ref: TrainingWorker | None = None
+        if with_ref_model:
+            ref_config = deepcopy(config)
+            # forward_only makes FSDP2 keep the frozen copy in pinned CPU memory, which needs CUDA.
+            ref_config.engine_config.forward_only = device != "cpu"
+            self.ref = TrainingWorker(ref_config)
+
+    @property
+    def _is_lora(self) -> bool:
+        return bool(self.model_config.lora_rank > 0)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def init_model(self, seed: int) -> None:
+        torch.manual_seed(seed)
+        self.engine.initialize()
+        if self.ref is not None:
+            self.ref.engine.initialize()
+
+    @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn(mesh_name="train"), blocking=False)
+    def ref_log_prob(self, data: TensorDict) -> TensorDict | None:
+        if self.ref is not None:
+            out: TensorDict | None = self.ref.infer_batch(data)
+            return out
+        if not self._is_lora:
+            raise RuntimeError("no reference model: full-weight training needs with_ref_model=True for KL")
+        tu.assign_non_tensor(data, no_lora_adapter=True)
+        out = self.infer_batch(data)
+        return out
+
+    def _full_state_dict(self) -> dict[str, torch.Tensor]:
+        from verl.utils.fsdp_utils import get_fsdp_full_state_dict
+
+        state: dict[str, torch.Tensor] = get_fsdp_full_state_dict(
+            self.engine.module, offload_to_cpu=True, rank0_only=True
+        )
+        return state
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def training_state(self) -> dict[str, Any] | None:
+        """On rank 0: {"params": trainable parameters, "optim": optimizer state}, full tensors on CPU."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        module, optim = self.engine.module, self.engine.optimizer
+        params = self._full_state_dict()
+        trainable = {n for n, p in module.named_parameters() if p.requires_grad}
+        optim_state = get_optimizer_state_dict(
+            module, optim, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
+        if dist.get_rank() != 0:
+            return None
+        return {"params": {k: v for k, v in params.items() if k in trainable}, "optim": optim_state}
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def export_policy(self, out_dir: str, kind: str) -> str | None:
+        """Write the policy to `out_dir` (rank 0), through a temporary directory renamed into place.
+
+        `lora`: a PEFT adapter directory (`adapter_config.json`, `adapter_model.safetensors`),
+        what vLLM's `/v1/load_lora_adapter` reads. `full`: a Hugging Face model directory
+        (safetensors, config, tokenizer), the adapter merged in when training LoRA, what
+        vLLM's `reload_weights` reads. Returns the directory on rank 0, None elsewhere.
+        """
+        if kind not in ("lora", "full"):
+            raise ValueError(f"export kind must be 'lora' or 'full', not {kind!r}")
+        if kind == "lora" and not self._is_lora:
+            raise ValueError("a LoRA adapter export needs LoRA training (lora_rank > 0)")
+        state = self._full_state_dict()  # collective: every rank takes part
+        if dist.get_rank() != 0:
+            dist.barrier()
+            return None
+        try:
+            out = Path(out_dir)
+            tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+            self._write_export(state, tmp, kind)
+            if out.exists():
+                shutil.rmtree(out)
+            os.replace(tmp, out)
+        finally:
+            dist.barrier()
+        return str(out)
+
+    def _write_export(self, state: dict[str, torch.Tensor], tmp: Path, kind: str) -> None:
+        from accelerate import init_empty_weights
+        from transformers import AutoModelForCausalLM
+
+        hf_config = self.model_config.hf_config
+        with init_empty_weights():
+            model = AutoModelForCausalLM.from_config(hf_config, dtype=next(iter(state.values())).dtype)
+        if self._is_lora:
+            from peft import get_peft_model
+
+            peft_config = deepcopy(self.engine.module.peft_config["default"])
+            model = get_peft_model(model, peft_config)
+        # The gathered tensors become the model's parameters (no copy); tied weights stay tied.
+        missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+        if unexpected or any(k for k in missing if "lm_head" not in k):
+            raise RuntimeError(f"export: state does not fit the model: missing={missing} unexpected={unexpected}")
+        if getattr(hf_config, "tie_word_embeddings", False):
+            model.tie_weights()
+        if kind == "lora":
+            model.save_pretrained(str(tmp))
+        else:
+            if self._is_lora:
+                model = model.merge_and_unload()
+            model.save_pretrained(str(tmp), safe_serialization=True)
+            self.model_config.tokenizer.save_pretrained(str(tmp))
