@@ -1,0 +1,123 @@
+"""Weight push to real CPU vLLM replicas: LoRA hot-load and full-weight reload, through the proxy."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+
+from tests.conftest import ProxyFactory
+from tools.replica import VllmReplica
+from trainer.weights import PushError, WeightPusher
+
+pytestmark = [pytest.mark.vllm, pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+              pytest.mark.filterwarnings("ignore::FutureWarning")]
+
+PROMPT = {"messages": [{"role": "user", "content": "Tell me about the brown fox."}], "max_tokens": 12,
+          "temperature": 0}
+
+
+def _greedy(proxy_url: str, rollout: str) -> tuple[str, dict[str, Any]]:
+    base = f"{proxy_url}/rollout/{rollout}/attempt/0/v1"
+    r = httpx.post(f"{base}/chat/completions", json={"model": "x", **PROMPT}, timeout=120)
+    r.raise_for_status()
+    (call,) = httpx.get(f"{proxy_url}/rollout/{rollout}/attempt/0", timeout=60).json()["calls"]
+    return r.json()["choices"][0]["message"]["content"], call
+
+
+@pytest.fixture(scope="module")
+def lora_replica(tiny_model_dir: Path) -> Iterator[VllmReplica]:
+    with VllmReplica(tiny_model_dir, served_model_name="tiny", enable_lora=True) as replica:
+        yield replica
+
+
+@pytest.fixture(scope="module")
+def full_replica(tiny_model_dir: Path) -> Iterator[VllmReplica]:
+    with VllmReplica(tiny_model_dir, served_model_name="tiny", dev_mode=True) as replica:
+        yield replica
+
+
+def _make_adapter(model_dir: Path, out: Path, seed: int) -> Path:
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+    # init_lora_weights=False: random A and B, so the adapter really changes the outputs.
+    config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "o_proj", "down_proj"],
+                        init_lora_weights=False)
+    peft_model = get_peft_model(model, config)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:
+                param.mul_(20.0)
+    peft_model.save_pretrained(out)
+    return out
+
+
+def _perturbed_model(model_dir: Path, out: Path) -> Path:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 0.2)
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(model_dir).save_pretrained(out)
+    return out
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+def test_lora_push_changes_greedy_output_and_stamps_records(lora_replica: VllmReplica, tiny_model_dir: Path,
+                                                            proxy_for: ProxyFactory, tmp_path: Path) -> None:
+    adapter = _make_adapter(tiny_model_dir, tmp_path / "adapter-v1", seed=0)
+    with proxy_for([lora_replica.url], pool={"weight_mode": "lora"}) as proxy, \
+            WeightPusher(proxy.url, "t") as pusher:
+        before, call0 = _greedy(proxy.url, "lora-0")
+        with pytest.raises(PushError, match="not started for 'full'"):
+            pusher.push_full(1, tiny_model_dir, served_name="tiny")
+        result = pusher.push_lora(1, adapter, base_model="tiny")
+        after, call1 = _greedy(proxy.url, "lora-1")
+        models = httpx.get(f"{lora_replica.url}/v1/models").json()["data"]
+    assert result.pushed == [lora_replica.url] and not result.drained
+    assert after != before
+    assert (call0["policy_version"], call0["served_model"]) == (0, "tiny")
+    assert (call1["policy_version"], call1["served_model"]) == (1, "policy-v1")
+    assert "policy-v1" in {m["id"] for m in models}
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+def test_full_push_changes_greedy_output_and_stamps_records(full_replica: VllmReplica, tiny_model_dir: Path,
+                                                            proxy_for: ProxyFactory, tmp_path: Path) -> None:
+    new_weights = _perturbed_model(tiny_model_dir, tmp_path / "full-v1")
+    with proxy_for([full_replica.url], pool={"weight_mode": "full"}) as proxy, \
+            WeightPusher(proxy.url, "t") as pusher:
+        before, call0 = _greedy(proxy.url, "full-0")
+        with pytest.raises(PushError, match="not started for 'lora'"):
+            pusher.push_lora(1, tiny_model_dir)
+        result = pusher.push_full(1, new_weights, served_name="tiny")
+        after, call1 = _greedy(proxy.url, "full-1")
+        # Reloading the original weights restores the original output exactly.
+        pusher.push_full(2, tiny_model_dir, served_name="tiny")
+        restored, call2 = _greedy(proxy.url, "full-2")
+    assert result.pushed == [full_replica.url]
+    assert after != before and restored == before
+    assert [c["policy_version"] for c in (call0, call1, call2)] == [0, 1, 2]
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+def test_a_replica_failing_the_push_is_drained(lora_replica: VllmReplica, proxy_for: ProxyFactory,
+                                               tmp_path: Path) -> None:
+    with proxy_for([lora_replica.url], pool={"weight_mode": "lora"}) as proxy, \
+            WeightPusher(proxy.url, "t") as pusher:
+        with pytest.raises(PushError, match="no replica loaded"):
+            pusher.push_lora(7, tmp_path / "no-such-adapter")
+        pool = httpx.get(f"{proxy.url}/admin/replicas", headers={"authorization": "Bearer t"}).json()["data"]
+        policy = pusher.active_policy()
+    assert pool == []  # drained (nothing in flight, so removed at once): not left serving v0 silently
+    assert policy["version"] == 0

@@ -1,0 +1,166 @@
+"""Pushing a new policy to every replica the proxy knows, then making it the active policy.
+
+Two ways, measured on vLLM's own server (ARCHITECTURE.md, "Weight push"):
+- LoRA (replicas started with `--enable-lora`, `VLLM_ALLOW_RUNTIME_LORA_UPDATING=1`):
+  `POST /v1/load_lora_adapter` under a new name per version (`policy-vN`); the last
+  `keep_loaded` versions stay loaded so calls in flight finish on the version they began.
+- Full weights (replicas with `VLLM_SERVER_DEV_MODE=1`): the proxy pauses admission and
+  waits for calls in flight, then per replica `/pause?mode=wait`, `/collective_rpc`
+  `reload_weights`, `/reset_prefix_cache`, `/resume`; the proxy resumes.
+A replica takes one mode, not both; the proxy knows each replica's mode and the push
+refuses a mode the replicas were not started for. A replica that fails the push is
+drained through the proxy: never left serving an old policy silently. Only then does the
+proxy's active policy move, so new calls are served by, and stamped with, the new version.
+
+The adapter or weights directory must be readable by the replicas at the same path
+(one machine, or a shared volume).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import httpx
+
+__all__ = ["PushError", "PushResult", "WeightPusher", "lora_name"]
+
+logger = logging.getLogger(__name__)
+
+WeightMode = Literal["lora", "full"]
+
+
+class PushError(RuntimeError):
+    """The push could not be done (wrong mode, no replica took it, proxy refused)."""
+
+
+def lora_name(version: int) -> str:
+    return f"policy-v{version}"
+
+
+@dataclass
+class PushResult:
+    version: int
+    served_name: str
+    mode: WeightMode
+    pushed: list[str] = field(default_factory=list)
+    drained: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+class WeightPusher:
+    def __init__(self, proxy_url: str, admin_token: str, *, keep_loaded: int = 3, timeout_s: float = 120.0) -> None:
+        self._proxy = proxy_url.rstrip("/")
+        self._headers = {"authorization": f"Bearer {admin_token}"}
+        self._keep_loaded = keep_loaded
+        self._http = httpx.Client(timeout=timeout_s)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> WeightPusher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- the proxy's view ----------------------------------------------------------------
+
+    def _admin(self, method: str, path: str, **kwargs: Any) -> Any:
+        r = self._http.request(method, f"{self._proxy}/admin{path}", headers=self._headers, **kwargs)
+        if r.status_code >= 400:
+            raise PushError(f"proxy {method} /admin{path}: {r.status_code} {r.text}")
+        return r.json()
+
+    def replicas(self, mode: WeightMode) -> list[dict[str, Any]]:
+        """Replicas of the proxy, checked to all take `mode`."""
+        replicas: list[dict[str, Any]] = self._admin("GET", "/replicas")["data"]
+        if not replicas:
+            raise PushError("the proxy has no replicas to push to")
+        wrong = [r["url"] for r in replicas if r["weight_mode"] != mode]
+        if wrong:
+            raise PushError(f"replicas {wrong} were not started for {mode!r} weight updates "
+                            f"(their modes: {sorted({r['weight_mode'] for r in replicas})}); refusing to push")
+        return replicas
+
+    def active_policy(self) -> dict[str, Any]:
+        policy: dict[str, Any] = self._admin("GET", "/policy")
+        return policy
+
+    def _drain(self, url: str, reason: str) -> None:
+        logger.error("replica %s failed the weight push (%s); draining it", url, reason)
+        try:
+            self._admin("POST", "/replicas/drain", json={"url": url})
+        except PushError as exc:
+            logger.error("could not drain %s: %s", url, exc)
+
+    # -- LoRA ----------------------------------------------------------------------------
+
+    def push_lora(self, version: int, adapter_dir: Path, *, base_model: str | None = None) -> PushResult:
+        name = lora_name(version)
+        result = PushResult(version, name, "lora")
+        started = time.perf_counter()
+        for replica in self.replicas("lora"):
+            url = replica["url"]
+            try:
+                self._post(url, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(adapter_dir)})
+                self._unload_old(url, version)
+            except (httpx.HTTPError, PushError) as exc:
+                self._drain(url, str(exc))
+                result.drained.append(url)
+                continue
+            result.pushed.append(url)
+        if not result.pushed:
+            raise PushError(f"no replica loaded adapter {name}")
+        self._admin("PUT", "/policy", json={"version": version, "served_name": name, "kind": "lora",
+                                            "base_model": base_model, "path": str(adapter_dir)})
+        result.seconds = time.perf_counter() - started
+        return result
+
+    def _unload_old(self, url: str, version: int) -> None:
+        # Versions older than the last `keep_loaded` are done: their calls have long ended.
+        stale = version - self._keep_loaded
+        if stale < 1:
+            return
+        r = self._http.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": lora_name(stale)})
+        if r.status_code >= 400 and r.status_code != 404:
+            logger.warning("replica %s: unloading %s answered %s", url, lora_name(stale), r.status_code)
+
+    # -- full weights --------------------------------------------------------------------
+
+    def push_full(self, version: int, weights_dir: Path, *, served_name: str) -> PushResult:
+        """Reload full weights on every replica with admission paused; `served_name` is unchanged."""
+        replicas = self.replicas("full")
+        result = PushResult(version, served_name, "full")
+        started = time.perf_counter()
+        self._admin("POST", "/pause", json={"wait": True})
+        try:
+            for replica in replicas:
+                url = replica["url"]
+                try:
+                    self._post(url, "/pause?mode=wait", None)
+                    self._post(url, "/collective_rpc", {"method": "reload_weights",
+                                                         "kwargs": {"weights_path": str(weights_dir)}})
+                    self._post(url, "/reset_prefix_cache", None)
+                    self._post(url, "/resume", None)
+                except (httpx.HTTPError, PushError) as exc:
+                    self._drain(url, str(exc))
+                    result.drained.append(url)
+                    continue
+                result.pushed.append(url)
+            if not result.pushed:
+                raise PushError("no replica reloaded the weights")
+            self._admin("PUT", "/policy", json={"version": version, "served_name": served_name, "kind": "full",
+                                                "base_model": served_name, "path": str(weights_dir)})
+        finally:
+            self._admin("POST", "/resume")
+        result.seconds = time.perf_counter() - started
+        return result
+
+    def _post(self, url: str, path: str, body: dict[str, Any] | None) -> None:
+        r = self._http.post(f"{url}{path}", json=body) if body is not None else self._http.post(f"{url}{path}")
+        if r.status_code >= 400:
+            raise PushError(f"{url}{path}: {r.status_code} {r.text[:300]}")
