@@ -327,6 +327,30 @@ class TrainerSettings(BaseModel):
     )
     keep_checkpoints: int = Field(default=2, ge=1, description="Checkpoints kept in `checkpoint_dir`.")
 
+    # -- the loop (`rolltap-trainer run`) ----------------------------------------------
+    max_steps: int = Field(default=100, ge=0, description="Training steps this run goes up to (counting resumed ones).")
+    groups_per_step: int = Field(default=4, ge=1, description="Ready groups one step trains on, at most.")
+    poll_interval_s: float = Field(default=0.5, gt=0, description="Pause between looks for ready groups.")
+    push: bool = Field(
+        default=True, description="Push each new policy to the proxy's replicas; off trains from logs only."
+    )
+    proxy_url: str = Field(default="http://127.0.0.1:8000", description="The proxy whose replicas get new weights.")
+    admin_token: SecretStr | None = Field(
+        default=None, description="The proxy's admin token; defaults to `proxy.admin_token`."
+    )
+    keep_loaded_versions: int = Field(
+        default=3, ge=1, description="LoRA versions kept loaded on replicas so calls in flight end on theirs."
+    )
+    run_dir: str | None = Field(
+        default=None, description="Where exported policies go; default `<checkpoint_dir>/policies`."
+    )
+    served_name: str | None = Field(
+        default=None, description="The base model's served name when no proxy is asked (push off)."
+    )
+    tensorboard_dir: str | None = Field(
+        default=None, description="Write per-step metrics as TensorBoard scalars here (needs `tensorboard`)."
+    )
+
 
 class Settings(BaseSettings):
     """Everything configurable, in one object."""

@@ -18,7 +18,7 @@ from typing import Any
 
 from shared.db.engine import create_sync_db
 from shared.db.migrate import upgrade
-from shared.settings import Settings
+from shared.settings import CONFIG_ENV, Settings
 from trainer.trajectory import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -61,12 +61,25 @@ def build_parser() -> argparse.ArgumentParser:
     sft.add_argument("--include-failed", action="store_true", help="also attempts finished as failed")
     sft.add_argument("--min-reward", type=float, help="only attempts whose final reward is at least this")
 
+    run = sub.add_parser("run", help="the training loop: read groups, update with verl, push, repeat")
+    run.add_argument("--config", type=Path, help="settings file (TOML/JSON/YAML); flags and env override it")
+    run.add_argument("--model", help="local model directory of the policy (trainer.model)")
+    run.add_argument("--proxy-url", help="the proxy whose replicas get the new weights (trainer.proxy_url)")
+    run.add_argument("--admin-token", help="the proxy's admin token (trainer.admin_token)")
+    run.add_argument("--max-steps", type=int, help="train up to this step (trainer.max_steps)")
+    run.add_argument("--checkpoint-dir", help="checkpoints; a restarted run resumes here (trainer.checkpoint_dir)")
+    run.add_argument("--no-push", action="store_true", help="train from logs only: no weight push")
+    run.add_argument("--group-size", type=int, help="override trainer.group_size")
+
     stats = sub.add_parser("stats", help="attempts, consumption, drop reasons, rewards, policy versions")
     stats.add_argument("--json", action="store_true", help="machine-readable output")
     return parser
 
 
 def resolve_settings(args: argparse.Namespace) -> Settings:
+    if getattr(args, "config", None) is not None:
+        # The file is the lowest layer: environment and flags still override it.
+        os.environ[CONFIG_ENV] = str(args.config)
     settings = Settings()
     if args.db:
         settings = settings.model_copy(update={"db": settings.db.model_copy(update={"url": args.db})})
@@ -77,10 +90,16 @@ def resolve_settings(args: argparse.Namespace) -> Settings:
         ("group_timeout_s", "group_timeout_s"),
         ("credit", "credit"),
         ("model", "model"),
+        ("proxy_url", "proxy_url"),
+        ("admin_token", "admin_token"),
+        ("max_steps", "max_steps"),
+        ("checkpoint_dir", "checkpoint_dir"),
     ]:
         value = getattr(args, flag, None)
         if value is not None:
             overrides[field] = value
+    if getattr(args, "no_push", False):
+        overrides["push"] = False
     if overrides:
         trainer = settings.trainer.model_validate({**settings.trainer.model_dump(), **overrides})
         settings = settings.model_copy(update={"trainer": trainer})
@@ -91,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = resolve_settings(args)
+    if args.command == "run":
+        return _run(settings)
     logger.info("settings: %s", settings.trainer.model_dump_json())
     if settings.db.migrate_on_start:
         upgrade(settings.db)
@@ -123,6 +144,18 @@ def main(argv: list[str] | None = None) -> int:
             sys.stdout.write(json.dumps(report, indent=2) + "\n" if args.json else render_stats(report))
     finally:
         engine.dispose()
+    return 0
+
+
+def _run(settings: Settings) -> int:
+    from trainer.loop import run_loop
+    from trainer.progress import Progress
+
+    logging.getLogger("trainer").setLevel(logging.INFO)
+    tokenizer = load_tokenizer(settings.trainer.model) if settings.trainer.model else None
+    with Progress(settings.trainer) as progress:
+        reports = run_loop(settings, tokenizer=tokenizer, on_step=progress.step)
+    print(f"done: {len(reports)} step(s) this run")
     return 0
 
 

@@ -118,6 +118,9 @@ class PolicyWorker(TrainingWorker):  # type: ignore[misc]
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
             self._write_export(state, tmp, kind)
+            for f in tmp.iterdir():
+                f.chmod(0o644)  # safetensors writes 0600; a replica may run as another user
+            tmp.chmod(0o755)
             if out.exists():
                 shutil.rmtree(out)
             os.replace(tmp, out)

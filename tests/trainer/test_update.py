@@ -68,7 +68,7 @@ def test_one_update_moves_logprobs_with_the_advantage(trained: SimpleNamespace, 
     m = trained.metrics
     assert math.isfinite(m["loss"]) and m["grad_norm"] > 0
     assert m["step"] == 1 and trained.updater.step == 1
-    assert m["tokens"] == float(batch.tensors["response_mask"].sum()) == 11
+    assert m["tokens"] == float(batch.tensors["response_mask"].sum()) == 10
     assert m["mini_batches"] == 1 and m["step_time_s"] > 0
     # one mini-batch: the ratio is 1 everywhere, nothing is clipped
     assert m["pg_clipfrac"] == 0 and m["ppo_kl"] == pytest.approx(0, abs=1e-6)

@@ -1,0 +1,768 @@
+"""Benchmark: what Rolltap's proxy costs per call, next to the replica alone and to other proxies.
+
+One run starts an instant replica (``bench.instant_replica``: canned vLLM-shaped chat
+completions, streams sent one SSE event per write) and measures, at each concurrency,
+streamed and not, chat completions of 16 tokens:
+
+* ``direct``   -- wrk -> replica: the floor;
+* ``sqlite``   -- wrk -> ``rolltap-proxy`` (the real CLI, a subprocess) recording to SQLite;
+* ``postgres`` -- the same, recording to PostgreSQL (a fresh database, dropped afterwards);
+* ``litellm``  -- wrk -> LiteLLM's proxy server (``litellm --config cfg.yaml``, one worker),
+  the replica configured as an ``openai/...`` model with ``api_base``; from ``.venv-bench``;
+* ``agl``      -- wrk -> Agent Lightning's gateway (``agl-server``, agentlightning 1.0.2),
+  from ``.venv-agl`` (it needs Python >= 3.12). It does not stream: non-streamed cells only.
+
+Load comes from ``wrk -t1`` with a Lua script that POSTs the body and, for the recording
+proxies, spreads calls over one attempt per connection (``attempt/a<i % conc>``), with a
+rollout id of its own for every wrk run. Every run is preceded by an unmeasured warm-up
+at the same concurrency. Targets are interleaved (their order rotated per repeat) so
+background load hits them alike; medians over repeats are reported, with the req/s range.
+
+On a 2-core machine the server under test is pinned to CPU 0 and wrk (and, while a proxy is
+measured, the replica) to CPU 1 (``--no-pin`` turns this off). PostgreSQL's backend is not
+pinned. "server CPU" is the CPU time (utime+stime, from /proc) of the server under test and
+its child processes per request served: the number least disturbed by other load.
+
+Also measured: the proxy's own ``x-rolltap-overhead-ms`` header at concurrency 1 (a wrk run
+that collects it from every response), and, after the run, that each Rolltap database holds
+exactly one call per request wrk sent (counted per rollout id, i.e. per wrk run), with
+gap-free per-attempt sequence numbers. A recording benchmark that drops records is
+invalid, so a mismatch makes the script exit non-zero.
+
+Usage (from the repository root; needs ``wrk``: ``apt-get install -y wrk``)::
+
+    .venv/bin/python -m bench.proxy_overhead                     # everything, 3 repeats
+    .venv/bin/python -m bench.proxy_overhead --targets direct,sqlite --concurrency 1,32 --repeat 1
+
+Setting up the comparison proxies (never in the main venv)::
+
+    python3.11 -m venv .venv-bench && .venv-bench/bin/pip install -r bench/requirements-litellm-proxy.txt
+    python3.12 -m venv .venv-agl && .venv-agl/bin/pip install agentlightning==1.0.2
+
+A target whose environment is missing is skipped with a note, unless named in --targets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import http.client
+import json
+import os
+import platform
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+MODEL = "tiny"
+ALL_TARGETS = ("direct", "sqlite", "postgres", "litellm", "agl")
+LABELS = {
+    "direct": "direct",
+    "sqlite": "Rolltap, SQLite",
+    "postgres": "Rolltap, PostgreSQL",
+    "litellm": "LiteLLM proxy",
+    "agl": "Agent Lightning",
+}
+RECORDING = ("sqlite", "postgres")
+
+# wrk: POST the body; with RT_PATH_FMT, a per-request path ("%d" = the attempt index, one per
+# connection on average); count every request written (`sent`) so the databases can be checked
+# against it; with RT_COLLECT, keep every x-rolltap-overhead-ms header value.
+_WRK_LUA = r"""
+wrk.method = "POST"
+wrk.body = os.getenv("RT_BODY")
+wrk.headers["Content-Type"] = "application/json"
+local fmt = os.getenv("RT_PATH_FMT")
+local attempts = tonumber(os.getenv("RT_ATTEMPTS") or "1")
+sent = 0
+ovh = {}
+local threads = {}
+
+setup = function(thread)
+  table.insert(threads, thread)
+end
+
+request = function()
+  sent = sent + 1
+  if fmt then
+    return wrk.format(nil, string.format(fmt, sent % attempts))
+  end
+  return wrk.format()
+end
+
+if os.getenv("RT_COLLECT") then
+  response = function(status, headers, body)
+    local v = headers["x-rolltap-overhead-ms"]
+    if v then ovh[#ovh + 1] = tonumber(v) end
+  end
+end
+
+done = function(summary, latency, requests)
+  local total_sent = 0
+  local values = {}
+  for _, t in ipairs(threads) do
+    total_sent = total_sent + t:get("sent")
+    local o = t:get("ovh")
+    if o then for _, v in ipairs(o) do values[#values + 1] = v end end
+  end
+  table.sort(values)
+  local function pct(p)
+    if #values == 0 then return -1 end
+    return values[math.max(1, math.ceil(#values * p / 100))]
+  end
+  local e = summary.errors
+  io.write(string.format(
+    'RT_RESULT {"requests":%d,"sent":%d,"duration_us":%d,"errors":%d,"non2xx":%d,' ..
+    '"p50_us":%.1f,"p99_us":%.1f,"mean_us":%.1f,"ovh_n":%d,"ovh_p50":%.4f,"ovh_p90":%.4f,"ovh_p99":%.4f}\n',
+    summary.requests, total_sent, summary.duration, e.connect + e.read + e.write + e.timeout, e.status,
+    latency:percentile(50), latency:percentile(99), latency.mean, #values, pct(50), pct(90), pct(99)))
+end
+"""
+
+
+# =============================================================================
+# Servers
+# =============================================================================
+
+
+@dataclasses.dataclass
+class Server:
+    name: str
+    base: str  # http://127.0.0.1:PORT
+    path_fmt: Callable[[str], str | None]  # rollout id -> wrk path format (None: the static path)
+    static_path: str
+    proc: subprocess.Popen[bytes] | None
+    stop: Callable[[], None]
+    streams: bool = True
+    db_url: str | None = None
+    prepare: Callable[[str], None] | None = None  # called with each new rollout id before its wrk run
+    rollouts: dict[str, int] = dataclasses.field(default_factory=dict)  # rollout id -> requests sent
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _http(method: str, base: str, path: str, body: Any = None, timeout: float = 10.0) -> tuple[int, bytes, Any]:
+    host, port = base.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=timeout)
+    try:
+        data = None if body is None else (body if isinstance(body, bytes) else json.dumps(body).encode())
+        conn.request(method, path, data, {"content-type": "application/json"} if data is not None else {})
+        resp = conn.getresponse()
+        return resp.status, resp.read(), resp.headers
+    finally:
+        conn.close()
+
+
+def _wait_ready(base: str, path: str, proc: subprocess.Popen[bytes], timeout: float, log_path: Path) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{base} exited with {proc.returncode} during start-up; see {log_path}:\n"
+                               + log_path.read_text(errors="replace")[-3000:])
+        try:
+            if _http("GET", base, path, timeout=2.0)[0] == 200:
+                return
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{base}{path} not ready after {timeout:.0f} s; see {log_path}")
+        time.sleep(0.1)
+
+
+def _terminate(proc: subprocess.Popen[bytes], timeout: float = 60.0) -> int:
+    """SIGTERM the process group (a CLI may have children), wait; SIGKILL past the deadline."""
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return proc.returncode
+
+
+def _spawn(cmd: list[str], *, env: dict[str, str], cwd: Path, log_path: Path, cpu: int | None) -> subprocess.Popen[bytes]:
+    if cpu is not None:
+        cmd = ["taskset", "-c", str(cpu), *cmd]  # children (workers) inherit the affinity
+    with open(log_path, "ab") as log:
+        return subprocess.Popen(cmd, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+
+
+def _base_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ROLLTAP_", "LITELLM_", "AGL_"))}
+    for k in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY", "all_proxy", "ALL_PROXY"):
+        env.pop(k, None)
+    return env
+
+
+def start_rolltap(kind: str, replica: str, db_url: str, work: Path, cpu: int | None) -> Server:
+    port = _free_port()
+    base = f"http://127.0.0.1:{port}"
+    spool = work / f"spool-{kind}"
+    log_path = work / f"rolltap-{kind}.log"
+    env = _base_env() | {"ROLLTAP_PROXY__RECORDER__SPOOL_DIR": str(spool)}
+    exe = str(Path(sys.executable).parent / "rolltap-proxy")
+    cmd = [exe, "--replica", replica, "--db", db_url, "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
+    proc = _spawn(cmd, env=env, cwd=work, log_path=log_path, cpu=cpu)
+    _wait_ready(base, "/readyz", proc, 60.0, log_path)
+
+    def stop() -> None:
+        rc = _terminate(proc)
+        if rc != 0:
+            print(f"# WARNING: rolltap-proxy ({kind}) exited with {rc}; see {log_path}", file=sys.stderr)
+        if spool.is_dir() and any(spool.rglob("*.jsonl")):
+            print(f"# WARNING: rolltap-proxy ({kind}) left spooled batches in {spool}", file=sys.stderr)
+
+    return Server(kind, base, lambda rid: f"/rollout/{rid}/attempt/a%d/v1/chat/completions",
+                  "/v1/chat/completions", proc, stop, db_url=db_url)
+
+
+def start_litellm(replica: str, venv: Path, work: Path, cpu: int | None) -> Server:
+    port = _free_port()
+    base = f"http://127.0.0.1:{port}"
+    cfg = work / "litellm.yaml"
+    cfg.write_text(
+        "model_list:\n"
+        f"  - model_name: {MODEL}\n"
+        "    litellm_params:\n"
+        f"      model: openai/{MODEL}\n"
+        f"      api_base: {replica}/v1\n"
+        "      api_key: none\n"
+        # No auth, like Rolltap's relay routes (and no database): the like-for-like setup, and
+        # LiteLLM's cheapest. It refuses to start without a master key unless told so.
+        "general_settings:\n"
+        "  dangerously_permit_weak_or_unset_master_key: true\n"
+        "litellm_settings:\n"
+        "  telemetry: false\n"
+        "  set_verbose: false\n"
+        "  json_logs: false\n"
+    )
+    log_path = work / "litellm.log"
+    env = _base_env() | {
+        "LITELLM_LOCAL_MODEL_COST_MAP": "True",  # no download of the model cost map at start
+        "LITELLM_TELEMETRY": "False",
+        "LITELLM_LOG": "ERROR",
+        "DISABLE_SCHEMA_UPDATE": "True",
+    }
+    cmd = [str(venv / "bin" / "litellm"), "--config", str(cfg), "--host", "127.0.0.1", "--port", str(port),
+           "--num_workers", "1", "--telemetry", "False"]
+    proc = _spawn(cmd, env=env, cwd=work, log_path=log_path, cpu=cpu)
+    _wait_ready(base, "/health/liveliness", proc, 180.0, log_path)
+    return Server("litellm", base, lambda rid: None, "/v1/chat/completions", proc, lambda: _terminate(proc, 20))
+
+
+def start_agl(replica: str, venv: Path, work: Path, cpu: int | None) -> Server:
+    port = _free_port()
+    base = f"http://127.0.0.1:{port}"
+    log_path = work / "agl.log"
+    cmd = [str(venv / "bin" / "agl-server"), "host=127.0.0.1", f"port={port}", f"default_proxy.model_name={MODEL}",
+           f"hydra.run.dir={work / 'agl-hydra'}", "hydra.output_subdir=null", "hydra/job_logging=disabled"]
+    proc = _spawn(cmd, env=_base_env(), cwd=work, log_path=log_path, cpu=cpu)
+    _wait_ready(base, "/healthz", proc, 60.0, log_path)
+    status, body, _ = _http("POST", base, "/api/models", [{"model": MODEL, "endpoint": f"{replica}/v1"}])
+    if status != 201:
+        raise RuntimeError(f"agl: registering the replica failed: {status} {body[:300]!r}")
+
+    def prepare(rollout_id: str) -> None:
+        status, body, _ = _http("POST", base, "/api/rollouts", [{"rollout_id": rollout_id, "input": {}}])
+        if status != 201:
+            raise RuntimeError(f"agl: creating rollout {rollout_id} failed: {status} {body[:300]!r}")
+
+    return Server("agl", base, lambda rid: f"/proxy/rollout/{rid}/attempt/a%d/mode/train/openai/v1/chat/completions",
+                  "", proc, lambda: _terminate(proc, 20), streams=False, prepare=prepare)
+
+
+# =============================================================================
+# PostgreSQL
+# =============================================================================
+
+
+def create_pg_database(admin_url: str) -> tuple[str, Callable[[], None]]:
+    import psycopg
+    from sqlalchemy.engine import make_url
+
+    name = f"rolltap_bench_{os.getpid()}_{int(time.time())}"
+    admin = make_url(admin_url)
+    conninfo = admin.set(drivername="postgresql").render_as_string(hide_password=False)
+    with psycopg.connect(conninfo, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    url = admin.set(database=name).render_as_string(hide_password=False)
+
+    def drop() -> None:
+        with psycopg.connect(conninfo, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+    return url, drop
+
+
+# =============================================================================
+# Load
+# =============================================================================
+
+
+def _proc_tree_cpu(pid: int) -> float:
+    """utime+stime (s) of a process and every live descendant (threads are included in each)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    children: dict[int, list[int]] = {}
+    stats: dict[int, float] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                raw = f.read()
+        except OSError:
+            continue
+        fields = raw[raw.rfind(b")") + 2:].split()
+        p = int(entry)
+        children.setdefault(int(fields[1]), []).append(p)
+        stats[p] = (int(fields[11]) + int(fields[12])) / tick
+    total, todo = 0.0, [pid]
+    while todo:
+        p = todo.pop()
+        total += stats.get(p, 0.0)
+        todo += children.get(p, [])
+    return total
+
+
+@dataclasses.dataclass
+class Cell:
+    mode: str
+    conc: int
+    target: str
+    rps: float
+    p50_ms: float
+    p99_ms: float
+    cpu_us: float | None
+    errors: int
+    requests: int
+    ovh_p50: float | None = None
+    ovh_p99: float | None = None
+
+
+def run_wrk(url: str, body: bytes, conc: int, duration_s: int, lua: str, *, path_fmt: str | None,
+            collect: bool = False, cpu: int | None = None) -> dict[str, Any]:
+    cmd = ["wrk", "-t1", f"-c{conc}", f"-d{duration_s}s", "--timeout", "10s", "-s", lua, url]
+    if cpu is not None:
+        cmd = ["taskset", "-c", str(cpu), *cmd]
+    env = dict(os.environ, RT_BODY=body.decode(), RT_ATTEMPTS=str(conc))
+    if path_fmt:
+        env["RT_PATH_FMT"] = path_fmt
+    if collect:
+        env["RT_COLLECT"] = "1"
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
+    line = next((ln for ln in out.splitlines() if ln.startswith("RT_RESULT ")), None)
+    if line is None:
+        raise RuntimeError(f"wrk printed no result:\n{out}")
+    res: dict[str, Any] = json.loads(line.removeprefix("RT_RESULT "))
+    res["rps"] = res["requests"] / (res["duration_us"] / 1e6)
+    return res
+
+
+def request_body(stream: bool, max_tokens: int) -> bytes:
+    req: dict[str, Any] = {
+        "model": MODEL,
+        "messages": [
+            {"role": "system", "content": "You are a helpful assistant."},
+            {"role": "user", "content": "Say something."},
+        ],
+        "max_tokens": max_tokens,
+    }
+    if stream:
+        req["stream"] = True
+    return json.dumps(req, separators=(",", ":")).encode()
+
+
+class Bench:
+    def __init__(self, servers: list[Server], replica_pid: int, lua: str, args: argparse.Namespace) -> None:
+        self.servers = servers
+        self.replica_pid = replica_pid
+        self.lua = lua
+        self.args = args
+        self.pin = not args.no_pin
+        self._seq = 0
+
+    def _place_replica(self, direct: bool) -> None:
+        # The server under test gets CPU 0: the replica when measured directly, else the proxy.
+        if self.pin:
+            os.sched_setaffinity(self.replica_pid, {0} if direct else {1})
+
+    def one(self, srv: Server, mode: str, conc: int, duration: int, *, collect: bool = False,
+            tag: str = "m") -> dict[str, Any]:
+        self._seq += 1
+        rid = f"bench-{srv.name}-{mode}-c{conc}-{tag}{self._seq}"
+        if srv.prepare is not None:
+            srv.prepare(rid)
+        fmt = srv.path_fmt(rid)
+        url = srv.base + (srv.static_path if fmt is None else "/")
+        body = request_body(mode == "stream", self.args.max_tokens)
+        pid = srv.proc.pid if srv.proc is not None else self.replica_pid
+        cpu0 = _proc_tree_cpu(pid)
+        res = run_wrk(url, body, conc, duration, self.lua, path_fmt=fmt, collect=collect,
+                      cpu=1 if self.pin else None)
+        res["cpu_us"] = (_proc_tree_cpu(pid) - cpu0) / max(res["requests"], 1) * 1e6
+        if fmt is not None:
+            srv.rollouts[rid] = res["sent"]
+        return res
+
+    def cell(self, srv: Server, mode: str, conc: int) -> Cell:
+        self._place_replica(srv.name == "direct")
+        if self.args.warmup > 0:
+            self.one(srv, mode, conc, self.args.warmup, tag="w")
+        r = self.one(srv, mode, conc, self.args.duration)
+        return Cell(mode, conc, srv.name, r["rps"], r["p50_us"] / 1e3, r["p99_us"] / 1e3,
+                    r["cpu_us"], int(r["errors"] + r["non2xx"]), int(r["requests"]))
+
+    def overhead_header(self, srv: Server, mode: str) -> Cell:
+        """x-rolltap-overhead-ms of every response at concurrency 1 (the proxy's own account)."""
+        self._place_replica(False)
+        r = self.one(srv, mode, 1, self.args.header_duration, collect=True, tag="h")
+        return Cell(mode, 1, srv.name, r["rps"], r["p50_us"] / 1e3, r["p99_us"] / 1e3, r["cpu_us"],
+                    int(r["errors"] + r["non2xx"]), int(r["requests"]), r["ovh_p50"], r["ovh_p99"])
+
+
+def check_targets_answer(servers: list[Server], max_tokens: int) -> None:
+    """One call of each kind through each target before measuring: 200 and the canned content."""
+    for srv in servers:
+        for stream in (False, True):
+            if stream and not srv.streams:
+                continue
+            rid = f"bench-check-{srv.name}"
+            if srv.prepare is not None:
+                srv.prepare(rid)
+            fmt = srv.path_fmt(rid)
+            path = srv.static_path if fmt is None else fmt % 0
+            status, data, headers = _http("POST", srv.base, path, request_body(stream, max_tokens))
+            if status != 200 or b"quick" not in data:
+                raise RuntimeError(f"{srv.name}: {status} {data[:500]!r}")
+            if stream and data.count(b"data: ") < max_tokens:
+                raise RuntimeError(f"{srv.name}: stream has too few events: {data[:500]!r}")
+            if fmt is not None:
+                srv.rollouts[rid] = srv.rollouts.get(rid, 0) + 1
+
+
+# =============================================================================
+# Verification of the recorded calls
+# =============================================================================
+
+
+def verify_records(srv: Server) -> tuple[bool, str]:
+    """Every request wrk sent is one row in `calls`, per rollout id; seq gap-free per attempt."""
+    from sqlalchemy import create_engine, text
+
+    from shared.db.engine import sync_url
+
+    engine = create_engine(sync_url(srv.db_url or ""))
+    try:
+        with engine.connect() as conn:
+            counts = {r[0]: int(r[1]) for r in conn.execute(
+                text("SELECT rollout_id, count(*) FROM calls WHERE rollout_id LIKE 'bench-%' GROUP BY rollout_id"))}
+            statuses = {r[0]: int(r[1]) for r in conn.execute(text("SELECT status, count(*) FROM calls GROUP BY status"))}
+            bad_seq = conn.execute(text(
+                "SELECT count(*) FROM (SELECT rollout_id, attempt_id FROM calls WHERE rollout_id LIKE 'bench-%' "
+                "GROUP BY rollout_id, attempt_id HAVING count(*) <> count(DISTINCT seq) "
+                "OR min(seq) <> 0 OR max(seq) <> count(*) - 1) AS t")).scalar_one()
+            bad_num = conn.execute(text(
+                "SELECT count(*) FROM attempts a WHERE a.rollout_id LIKE 'bench-%' AND a.num_calls <> "
+                "(SELECT count(*) FROM calls c WHERE c.rollout_id = a.rollout_id AND c.attempt_id = a.attempt_id)"
+            )).scalar_one()
+    finally:
+        engine.dispose()
+    sent = sum(srv.rollouts.values())
+    recorded = sum(counts.get(rid, 0) for rid in srv.rollouts)
+    wrong = {rid: (n, counts.get(rid, 0)) for rid, n in srv.rollouts.items() if counts.get(rid, 0) != n}
+    stray = set(counts) - set(srv.rollouts)
+    ok = not wrong and not stray and bad_seq == 0 and bad_num == 0
+    msg = (f"{LABELS[srv.name]}: sent {sent:,} calls in {len(srv.rollouts)} wrk runs, recorded {recorded:,} "
+           f"(statuses: {', '.join(f'{k} {v:,}' for k, v in sorted(statuses.items()))}); "
+           f"runs with a wrong count: {len(wrong)}; unknown rollouts: {len(stray)}; "
+           f"attempts with bad seq: {bad_seq}; attempts whose num_calls is off: {bad_num} -> {'OK' if ok else 'FAIL'}")
+    if wrong:
+        msg += "\n    " + "; ".join(f"{rid}: sent {a}, recorded {b}" for rid, (a, b) in list(wrong.items())[:10])
+    return ok, msg
+
+
+# =============================================================================
+# Report
+# =============================================================================
+
+
+def _median(cells: list[Cell]) -> Cell:
+    c0 = cells[0]
+    cpu = [c.cpu_us for c in cells if c.cpu_us is not None]
+    ovh50 = [c.ovh_p50 for c in cells if c.ovh_p50 is not None]
+    ovh99 = [c.ovh_p99 for c in cells if c.ovh_p99 is not None]
+    return Cell(c0.mode, c0.conc, c0.target, statistics.median(c.rps for c in cells),
+                statistics.median(c.p50_ms for c in cells), statistics.median(c.p99_ms for c in cells),
+                statistics.median(cpu) if cpu else None, sum(c.errors for c in cells), sum(c.requests for c in cells),
+                statistics.median(ovh50) if ovh50 else None, statistics.median(ovh99) if ovh99 else None)
+
+
+def _fmt_ratio(x: float | None) -> str:
+    if x is None:
+        return "–"
+    return f"{x:.2f}" if x < 10 else f"{x:.0f}"
+
+
+def report(runs: list[dict[tuple[str, int, str], Cell]], targets: list[str]) -> tuple[str, dict[tuple[str, int, str], Cell]]:
+    keys = list(runs[0])
+    med = {k: _median([r[k] for r in runs if k in r]) for k in keys}
+    lines = [
+        "| mode | conc | target | req/s | req/s range | × direct | × LiteLLM | p50 ms | + p50 ms vs direct "
+        "| p99 ms | + p99 ms vs direct | server CPU µs/req | errors |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for mode, conc, target in keys:
+        c = med[(mode, conc, target)]
+        d = med.get((mode, conc, "direct"))
+        lt = med.get((mode, conc, "litellm"))
+        lo = min(r[(mode, conc, target)].rps for r in runs)
+        hi = max(r[(mode, conc, target)].rps for r in runs)
+        add50 = "–" if d is None or target == "direct" else f"{c.p50_ms - d.p50_ms:+.2f}"
+        add99 = "–" if d is None or target == "direct" else f"{c.p99_ms - d.p99_ms:+.2f}"
+        x_lt = None if lt is None or target == "litellm" else c.rps / lt.rps
+        lines.append(
+            f"| {mode} | {conc} | {LABELS[target]} | {c.rps:,.0f} | {lo:,.0f}–{hi:,.0f} | "
+            f"{_fmt_ratio(None if d is None else c.rps / d.rps)} | {_fmt_ratio(x_lt)} | {c.p50_ms:.2f} | {add50} | "
+            f"{c.p99_ms:.2f} | {add99} | {'–' if c.cpu_us is None else f'{c.cpu_us:,.0f}'} | {c.errors} |"
+        )
+    return "\n".join(lines), med
+
+
+def evaluate(med: dict[tuple[str, int, str], Cell]) -> list[str]:
+    out = []
+    for mode in ("non-stream", "stream"):
+        s1, d1 = med.get((mode, 1, "sqlite")), med.get((mode, 1, "direct"))
+        if s1 and d1:
+            added = s1.p50_ms - d1.p50_ms
+            out.append(f"- {mode}: added p50 at concurrency 1 (SQLite) = {added:.2f} ms (target <= 1 ms): "
+                       f"{'MET' if added <= 1.0 else 'NOT MET'}")
+        s32, d32, l32 = (med.get((mode, 32, t)) for t in ("sqlite", "direct", "litellm"))
+        if s32 and l32:
+            x = s32.rps / l32.rps
+            out.append(f"- {mode}: throughput at concurrency 32 (SQLite) = {x:.1f}× LiteLLM's proxy (target >= 10×): "
+                       f"{'MET' if x >= 10 else 'NOT MET'}")
+        if s32 and d32:
+            x = s32.rps / d32.rps
+            out.append(f"- {mode}: throughput at concurrency 32 (SQLite) = {x:.2f}× direct (target >= 0.3×): "
+                       f"{'MET' if x >= 0.3 else 'NOT MET'}")
+    return out
+
+
+def _machine() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "?")
+    except OSError:
+        model = "?"
+    return (f"{os.cpu_count()} vCPU ({model}), {platform.system()} {platform.release()}, "
+            f"CPython {platform.python_version()}, load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+
+
+def _versions(args: argparse.Namespace) -> str:
+    from importlib.metadata import version
+
+    parts = [f"{p} {version(p)}" for p in ("uvicorn", "starlette", "aiohttp", "SQLAlchemy", "aiosqlite", "asyncpg")]
+    for venv, pkg in ((args.litellm_venv, "litellm"), (args.agl_venv, "agentlightning")):
+        py = Path(venv) / "bin" / "python"
+        if py.exists():
+            v = subprocess.run([str(py), "-c", f"from importlib.metadata import version; print(version('{pkg}'))"],
+                               capture_output=True, text=True).stdout.strip()
+            parts.append(f"{pkg} {v or '?'}")
+    wrk = subprocess.run(["wrk", "-v"], capture_output=True, text=True)
+    parts.append((wrk.stdout + wrk.stderr).split("[")[0].strip() or "wrk ?")
+    return ", ".join(parts)
+
+
+# =============================================================================
+# Main
+# =============================================================================
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.proxy_overhead", description=__doc__.split("\n\n")[0])
+    p.add_argument("--targets", default=",".join(ALL_TARGETS), help=f"comma-separated subset of {ALL_TARGETS}")
+    p.add_argument("--concurrency", default="1,32,256")
+    p.add_argument("--modes", default="non-stream,stream")
+    p.add_argument("--duration", type=int, default=5, help="seconds per measured wrk run")
+    p.add_argument("--warmup", type=int, default=2, help="seconds of unmeasured load before each measured run")
+    p.add_argument("--header-duration", type=int, default=3, help="seconds of the x-rolltap-overhead-ms run")
+    p.add_argument("--repeat", type=int, default=3, help="interleaved repetitions; medians are reported")
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--pg-url", default="postgresql://postgres@127.0.0.1:5432/test",
+                   help="an existing database to connect to; a fresh one is created beside it and dropped")
+    p.add_argument("--keep", action="store_true", help="keep the work directory and the PostgreSQL database")
+    p.add_argument("--litellm-venv", default=str(REPO_ROOT / ".venv-bench"))
+    p.add_argument("--agl-venv", default=str(REPO_ROOT / ".venv-agl"))
+    p.add_argument("--no-pin", action="store_true", help="do not pin the server under test and wrk to CPUs")
+    p.add_argument("--out", help="also write the markdown report here")
+    a = p.parse_args(argv)
+    if shutil.which("wrk") is None:
+        raise SystemExit("wrk not found: apt-get install -y wrk")
+    if (os.cpu_count() or 1) < 2:
+        a.no_pin = True
+    targets = [t for t in ALL_TARGETS if t in a.targets.split(",")]
+    concs = [int(x) for x in a.concurrency.split(",")]
+    modes = [m for m in ("non-stream", "stream") if m in a.modes.split(",")]
+    notes: list[str] = []
+    for name, venv, exe in (("litellm", a.litellm_venv, "litellm"), ("agl", a.agl_venv, "agl-server")):
+        if name in targets and not (Path(venv) / "bin" / exe).exists():
+            notes.append(f"{LABELS[name]}: skipped, {venv}/bin/{exe} not found (see the module docstring)")
+            targets.remove(name)
+
+    from bench.instant_replica import start_instant_replica
+
+    started = datetime.datetime.now(datetime.UTC)
+    header = [
+        f"# {started.isoformat(timespec='seconds')} on {_machine()}",
+        f"# {_versions(a)}",
+        f"# command: {' '.join(['.venv/bin/python -m bench.proxy_overhead', *(argv if argv is not None else sys.argv[1:])])}",
+        f"# wrk -t1 {'(CPU 1; server under test on CPU 0)' if not a.no_pin else '(unpinned)'}, "
+        f"{a.warmup} s warm-up + {a.duration} s per cell, {a.repeat} repeat(s), max_tokens={a.max_tokens}, "
+        "streams one SSE event per write",
+    ]
+    print("\n".join(header), flush=True)
+    work = Path(tempfile.mkdtemp(prefix="rolltap-overhead-"))
+    lua = work / "post.lua"
+    lua.write_text(_WRK_LUA)
+    replica_url, stop_replica = start_instant_replica(model_name=MODEL, split_stream=True,
+                                                      cpus=None if a.no_pin else {1})
+    replica_pid = _replica_pid(replica_url)
+    servers: list[Server] = []
+    drop_pg: Callable[[], None] | None = None
+    verified_ok = True
+    pin_cpu = None if a.no_pin else 0
+    try:
+        for t in targets:
+            if t == "direct":
+                servers.append(Server("direct", replica_url, lambda rid: None, "/v1/chat/completions", None,
+                                      lambda: None))
+            elif t == "sqlite":
+                servers.append(start_rolltap("sqlite", replica_url, f"sqlite:///{work / 'rolltap.db'}", work, pin_cpu))
+            elif t == "postgres":
+                pg_url, drop_pg = create_pg_database(a.pg_url)
+                servers.append(start_rolltap("postgres", replica_url, pg_url, work, pin_cpu))
+            elif t == "litellm":
+                servers.append(start_litellm(replica_url, Path(a.litellm_venv), work, pin_cpu))
+            elif t == "agl":
+                servers.append(start_agl(replica_url, Path(a.agl_venv), work, pin_cpu))
+        check_targets_answer(servers, a.max_tokens)
+        if any(not s.streams for s in servers):
+            notes.append("Agent Lightning: streamed cells not run -- its gateway answers `stream: true` with "
+                         "400 \"Streaming responses are not supported\"")
+        bench = Bench(servers, replica_pid, str(lua), a)
+        runs: list[dict[tuple[str, int, str], Cell]] = []
+        headers_seen: list[Cell] = []
+        for rep in range(a.repeat):
+            cells: dict[tuple[str, int, str], Cell] = {}
+            for mode in modes:
+                for conc in concs:
+                    order = servers[rep % len(servers):] + servers[:rep % len(servers)]
+                    for srv in order:
+                        if mode == "stream" and not srv.streams:
+                            continue
+                        c = bench.cell(srv, mode, conc)
+                        cells[(mode, conc, srv.name)] = c
+                        print(f"  rep {rep + 1} {mode:10s} c={conc:<3d} {srv.name:8s} {c.rps:9,.0f} req/s  "
+                              f"p50 {c.p50_ms:8.2f} ms  p99 {c.p99_ms:8.2f} ms  cpu {c.cpu_us or 0:7,.0f} µs/req"
+                              f"  errors {c.errors}", flush=True)
+            runs.append({k: cells[k] for k in sorted(cells, key=lambda k: (modes.index(k[0]), k[1], targets.index(k[2])))})
+            for srv in servers:
+                if srv.name in RECORDING:
+                    for mode in modes:
+                        h = bench.overhead_header(srv, mode)
+                        headers_seen.append(h)
+                        print(f"  rep {rep + 1} {mode:10s} c=1   {srv.name:8s} x-rolltap-overhead-ms p50 "
+                              f"{h.ovh_p50:.3f} p99 {h.ovh_p99:.3f} (wrk p50 {h.p50_ms:.2f} ms)", flush=True)
+        table, med = report(runs, targets)
+        # Stop the recording proxies (SIGTERM flushes the queue), then count what they wrote.
+        checks: list[str] = []
+        for srv in servers:
+            if srv.name in RECORDING:
+                srv.stop()
+                ok, msg = verify_records(srv)
+                verified_ok &= ok
+                checks.append(msg)
+        ovh_lines = []
+        for name in RECORDING:
+            for mode in modes:
+                hs = [h for h in headers_seen if h.target == name and h.mode == mode]
+                if hs:
+                    m = _median(hs)
+                    d = med.get((mode, 1, "direct"))
+                    ovh_lines.append(
+                        f"| {mode} | {LABELS[name]} | {m.ovh_p50:.3f} | {m.ovh_p99:.3f} | "
+                        f"{min(h.ovh_p50 or 0 for h in hs):.3f}–{max(h.ovh_p50 or 0 for h in hs):.3f} | "
+                        f"{m.p50_ms:.2f} | {'–' if d is None else f'{m.p50_ms - d.p50_ms:+.2f}'} |")
+        out = ["", f"## Results (median of {a.repeat} repeat(s); ranges are min–max of req/s over repeats)", "", table]
+        if ovh_lines:
+            out += ["", "x-rolltap-overhead-ms at concurrency 1 (the proxy's own time, replica wait excluded; "
+                    f"every response of a {a.header_duration} s wrk run, median over repeats):", "",
+                    "| mode | target | header p50 ms | header p99 ms | p50 range | wrk p50 ms | + p50 ms vs direct |",
+                    "|---|---|---:|---:|---:|---:|---:|", *ovh_lines]
+        out += ["", "Recorded calls:", *[f"- {c}" for c in checks]]
+        out += ["", "Targets:", *evaluate(med)]
+        if notes:
+            out += ["", "Notes:", *[f"- {n}" for n in notes]]
+        text = "\n".join(out)
+        print(text, flush=True)
+        if a.out:
+            Path(a.out).write_text("\n".join(header) + "\n" + text + "\n")
+    finally:
+        for srv in servers:
+            try:
+                srv.stop()
+            except Exception as exc:  # noqa: BLE001 - keep stopping the others
+                print(f"# stopping {srv.name}: {exc}", file=sys.stderr)
+        stop_replica()
+        if drop_pg is not None and not a.keep:
+            drop_pg()
+        if a.keep:
+            print(f"# work directory kept: {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+    if not verified_ok:
+        print("RECORDING CHECK FAILED: the databases do not hold exactly the calls sent", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _replica_pid(url: str) -> int:
+    """The instant replica's pid: the process listening on its port (it runs as our child)."""
+    port = int(url.rsplit(":", 1)[1])
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read().split(b"\0")
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
+        except OSError:
+            continue
+        if ppid == os.getpid() and any(part.endswith(b"instant_replica.py") for part in cmdline):
+            return int(entry)
+    raise RuntimeError(f"instant replica for port {port} not found")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,266 @@
+"""The training loop: read groups -> build a batch -> verl update -> checkpoint -> commit -> push.
+
+Reads top to bottom, one call per phase. Exactly-once consumption rests on one order:
+
+1. update the policy in memory;
+2. save the checkpoint of step N (atomic; model, optimizer, step);
+3. export the policy of version N (LoRA adapter or full weights);
+4. commit, in ONE transaction, the training step N, the attempts it consumed and the
+   policy version N it produced: the commit point;
+5. push version N to the replicas and make it the proxy's active policy.
+
+A trainer killed anywhere restarts from the checkpoint of the last committed step (not
+a newer one: its update used attempts that were never marked consumed), so attempts are
+neither consumed twice (the primary key on the attempt forbids it anyway) nor skipped. A
+committed version not yet active on the proxy is pushed again on restart.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import Engine, func, select
+from sqlalchemy.dialects import postgresql, sqlite
+
+from shared.db.engine import create_sync_db
+from shared.db.migrate import upgrade
+from shared.db.models import PolicyVersion, TrainingStep
+from shared.settings import Settings
+from trainer.batch import Batch, build_batch
+from trainer.consumption import record_training_step
+from trainer.data import DataRead, read_samples
+from trainer.trajectory import Tokenizer
+from trainer.update import PolicyUpdater
+from trainer.weights import WeightPusher, lora_name
+
+__all__ = ["StepReport", "last_committed_step", "run_loop"]
+
+logger = logging.getLogger(__name__)
+
+CRASH_ENV = "ROLLTAP_TRAINER_CRASH_AT"  # fault injection for the kill-and-restart test: "phase:step"
+
+
+@dataclass
+class StepReport:
+    step: int
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+
+def last_committed_step(engine: Engine) -> int:
+    with engine.connect() as conn:
+        return int(conn.execute(select(func.coalesce(func.max(TrainingStep.step), 0))).scalar_one())
+
+
+def _crash_point(phase: str, step: int) -> None:
+    """Die here, like a SIGKILL would, when the fault-injection variable names this point."""
+    if os.environ.get(CRASH_ENV) == f"{phase}:{step}":
+        logger.error("fault injection: exiting at %s of step %d", phase, step)
+        os._exit(137)
+
+
+def _wait_for_data(engine: Engine, settings: Settings, tokenizer: Tokenizer | None,
+                   should_stop: Callable[[], bool]) -> DataRead | None:
+    """Ready groups with at least one sample; polls until there are some (or the loop is told to stop)."""
+    ts = settings.trainer
+    while not should_stop():
+        data = read_samples(engine, ts, tokenizer=tokenizer, max_groups=ts.groups_per_step)
+        if data.samples:
+            return data
+        if data.groups:
+            # Groups that yielded nothing trainable are consumed anyway by the next step that
+            # finds samples; logged so silent starvation is visible.
+            logger.info("%d ready group(s) without trainable triplets: %s", len(data.groups), dict(data.drop_counts()))
+        time.sleep(ts.poll_interval_s)
+    return None
+
+
+def _data_metrics(data: DataRead, current_version: int) -> dict[str, Any]:
+    finals = [a_reward for a_reward in (_final(a) for g in data.groups for a in g.attempts) if a_reward is not None]
+    versions = [a.policy_version for g in data.groups for a in g.attempts]
+    return {
+        "groups": len(data.groups),
+        "attempts": len(data.attempt_pks),
+        "triplets": len(data.samples),
+        "calls": data.num_calls,
+        "dropped_calls": len(data.drops),
+        "reward_mean": statistics.fmean(finals) if finals else None,
+        "reward_std": statistics.pstdev(finals) if len(finals) > 1 else 0.0,
+        "staleness_max": max(current_version - v for v in versions) if versions else 0,
+    }
+
+
+def _final(attempt: Any) -> float | None:
+    from trainer.credit import final_reward
+
+    value: float | None = final_reward(attempt.rewards)
+    return value
+
+
+def _commit(engine: Engine, step: int, data: DataRead, metrics: dict[str, Any], version: PolicyVersionRow) -> None:
+    with engine.begin() as conn:
+        record_training_step(conn, step=step, attempt_pks=data.attempt_pks, policy_version=version.version,
+                             metrics=metrics)
+        dialect = postgresql if conn.dialect.name == "postgresql" else sqlite
+        conn.execute(dialect.insert(PolicyVersion).values(
+            version=version.version, served_name=version.served_name, base_model=version.base_model,
+            kind=version.kind, path=version.path, is_active=False,
+        ).on_conflict_do_nothing(index_elements=["version"]))
+
+
+@dataclass
+class PolicyVersionRow:
+    version: int
+    served_name: str
+    base_model: str | None
+    kind: str
+    path: str
+
+
+def _policy_row(settings: Settings, step: int, policy_dir: Path, base_name: str, is_lora: bool) -> PolicyVersionRow:
+    if is_lora:
+        return PolicyVersionRow(step, lora_name(step), base_name, "lora", str(policy_dir))
+    return PolicyVersionRow(step, base_name, base_name, "full", str(policy_dir))
+
+
+def _push(pusher: WeightPusher, row: PolicyVersionRow) -> dict[str, Any]:
+    if row.kind == "lora":
+        result = pusher.push_lora(row.version, Path(row.path), base_model=row.base_model)
+    else:
+        result = pusher.push_full(row.version, Path(row.path), served_name=row.served_name)
+    return {"push_s": result.seconds, "pushed": len(result.pushed), "drained": len(result.drained)}
+
+
+def run_loop(
+    settings: Settings,
+    *,
+    tokenizer: Tokenizer | None = None,
+    on_step: Callable[[StepReport], None] | None = None,
+    should_stop: Callable[[], bool] = lambda: False,
+) -> list[StepReport]:
+    """Train until `trainer.max_steps` (or `should_stop()`); returns this run's step reports."""
+    ts = settings.trainer
+    if ts.model is None:
+        raise ValueError("trainer.model: the policy's local model directory is required")
+    if ts.checkpoint_dir is None:
+        raise ValueError("trainer.checkpoint_dir is required: a restarted trainer resumes from it")
+    logger.info("trainer settings: %s", ts.model_dump_json(exclude={"admin_token"}))
+    if settings.db.migrate_on_start:
+        upgrade(settings.db)
+    engine = create_sync_db(settings.db)
+    run_dir = Path(ts.run_dir or Path(ts.checkpoint_dir) / "policies").resolve()
+    reports: list[StepReport] = []
+    pusher = _pusher(settings)
+    updater = PolicyUpdater(ts.model, ts)
+    try:
+        step = _resume(engine, updater, Path(ts.checkpoint_dir))
+        base_name = _base_name(engine, settings, pusher)
+        if pusher is not None and step > 0:
+            _repush_if_needed(pusher, engine, step, run_dir, updater, base_name)
+        while step < ts.max_steps and not should_stop():
+            started = time.perf_counter()
+            data = _wait_for_data(engine, settings, tokenizer, should_stop)
+            if data is None:
+                break
+            read_s = time.perf_counter() - started
+            batch: Batch = build_batch(data.samples, mini_batch_size=ts.mini_batch_size,
+                                       batch_round=ts.batch_round, pad_token_id=ts.pad_token_id)
+            metrics = _data_metrics(data, step)
+            t = time.perf_counter()
+            metrics.update(updater.update(batch))
+            metrics["update_s"] = time.perf_counter() - t
+            step += 1
+            _crash_point("after_update", step)
+            t = time.perf_counter()
+            updater.save_checkpoint()
+            policy_dir = updater.export(run_dir / f"policy-v{step}")
+            metrics["save_s"] = time.perf_counter() - t
+            row = _policy_row(settings, step, policy_dir, base_name, updater.is_lora)
+            _crash_point("before_commit", step)
+            metrics["read_s"] = read_s
+            _commit(engine, step, data, metrics, row)
+            _crash_point("after_commit", step)
+            if pusher is not None:
+                metrics.update(_push(pusher, row))
+            metrics["step_time_s"] = time.perf_counter() - started
+            report = StepReport(step, metrics)
+            reports.append(report)
+            _log_step(report)
+            if on_step is not None:
+                on_step(report)
+    finally:
+        updater.close()
+        if pusher is not None:
+            pusher.close()
+        engine.dispose()
+    return reports
+
+
+def _pusher(settings: Settings) -> WeightPusher | None:
+    ts = settings.trainer
+    if not ts.push:
+        return None
+    token = ts.admin_token or settings.proxy.admin_token
+    if token is None:
+        raise ValueError("trainer.push needs the proxy's admin token (trainer.admin_token or proxy.admin_token)")
+    return WeightPusher(ts.proxy_url, token.get_secret_value(), keep_loaded=ts.keep_loaded_versions)
+
+
+def _base_name(engine: Engine, settings: Settings, pusher: WeightPusher | None) -> str:
+    """The served name of the base model: version 0 as the proxy recorded it, else configuration."""
+    with engine.connect() as conn:
+        name = conn.execute(select(PolicyVersion.served_name).where(PolicyVersion.version == 0)).scalar_one_or_none()
+    if name:
+        return str(name)
+    if pusher is not None:
+        return str(pusher.active_policy()["served_name"])
+    return settings.trainer.served_name or Path(str(settings.trainer.model)).name
+
+
+def _resume(engine: Engine, updater: PolicyUpdater, checkpoint_dir: Path) -> int:
+    committed = last_committed_step(engine)
+    if committed == 0:
+        return 0
+    path = checkpoint_dir / f"step_{committed:08d}"
+    if not path.is_dir():
+        raise RuntimeError(f"step {committed} is committed but its checkpoint {path} is missing; cannot resume "
+                           "without repeating or skipping data")
+    updater.load_checkpoint(path)
+    logger.info("resumed at committed step %d from %s", committed, path)
+    return committed
+
+
+def _repush_if_needed(pusher: WeightPusher, engine: Engine, step: int, run_dir: Path, updater: PolicyUpdater,
+                      base_name: str) -> None:
+    """A crash between commit and push leaves version N committed but not served: push it now."""
+    with engine.connect() as conn:
+        row = conn.execute(select(PolicyVersion).where(PolicyVersion.version == step)).scalar_one_or_none()
+    active = pusher.active_policy().get("version")
+    if row is None or active == step:
+        return
+    policy_dir = Path(row.path) if row.path and Path(row.path).exists() else updater.export(run_dir / f"policy-v{step}")
+    logger.info("version %d was committed but not active on the proxy (active: %s); pushing it", step, active)
+    _push(pusher, PolicyVersionRow(step, row.served_name, row.base_model or base_name, row.kind, str(policy_dir)))
+
+
+def _log_step(report: StepReport) -> None:
+    m = report.metrics
+
+    def f(key: str, fmt: str = ".3f") -> str:
+        value = m.get(key)
+        return format(value, fmt) if isinstance(value, (int, float)) else "-"
+
+    logger.info(
+        "step %d | reward %s ± %s | loss %s | kl %s | grad %s | clip %s | tokens %s | mismatch %s | "
+        "stale %s | %ss (read %s, update %s, save %s, push %s)",
+        report.step, f("reward_mean"), f("reward_std"), f("loss"), f("kl"), f("grad_norm"), f("clip_frac"),
+        f("tokens", "d") if isinstance(m.get("tokens"), int) else f("tokens", ".0f"), f("logprob_mismatch"),
+        f("staleness_max", "d"), f("step_time_s", ".2f"), f("read_s", ".2f"), f("update_s", ".2f"),
+        f("save_s", ".2f"), f("push_s", ".2f"),
+    )
