@@ -107,7 +107,9 @@ if os.getenv("RT_COLLECT") then
 end
 
 done = function(summary, latency, requests)
-  local total_sent = 0
+  -- wrk calls request() once more, on the first thread, to check the request before
+  -- starting (script_verify_request): that call sends nothing.
+  local total_sent = -1
   local values = {}
   for _, t in ipairs(threads) do
     total_sent = total_sent + t:get("sent")

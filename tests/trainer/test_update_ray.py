@@ -23,10 +23,15 @@ pytestmark = [
 def test_two_ray_workers_match_one_process(tiny_model_dir: Path, tmp_path: Path, lora_rank: int) -> None:
     # 8 rows in mini-batches of 4: two optimizer steps, each on the same rows in both runs.
     batch = policy_batch(tiny_model_dir, copies=2, mini_batch_size=4)
-    local = PolicyUpdater(tiny_model_dir, settings(lora_rank=lora_rank))
-    expected = local.update(batch)
-    expected_state = local.training_state()
-    expected_log_probs = local.log_probs(batch)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as each Ray worker (1 CPU): the same summation order inside matmuls
+    try:
+        local = PolicyUpdater(tiny_model_dir, settings(lora_rank=lora_rank))
+        expected = local.update(batch)
+        expected_state = local.training_state()
+        expected_log_probs = local.log_probs(batch)
+    finally:
+        torch.set_num_threads(threads)
 
     with PolicyUpdater(tiny_model_dir, settings(lora_rank=lora_rank, backend="ray", num_workers=2)) as ray_updater:
         got = ray_updater.update(batch)
@@ -36,7 +41,7 @@ def test_two_ray_workers_match_one_process(tiny_model_dir: Path, tmp_path: Path,
         state = ray_updater.training_state()
         assert state["params"].keys() == expected_state["params"].keys()
         for name, value in expected_state["params"].items():
-            torch.testing.assert_close(state["params"][name], value, atol=1e-5, rtol=0, msg=name)
+            torch.testing.assert_close(state["params"][name], value, atol=1e-5, rtol=0, msg=lambda m, n=name: f"{n}: {m}")
         for name, slots in expected_state["optim"]["state"].items():
             torch.testing.assert_close(state["optim"]["state"][name]["exp_avg"], slots["exp_avg"], atol=1e-7, rtol=1e-4)
         torch.testing.assert_close(ray_updater.log_probs(batch), expected_log_probs, atol=1e-4, rtol=0)

@@ -1,0 +1,96 @@
+"""The training loop: exactly-once consumption across kills, and a first update on proxy-recorded data."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from sqlalchemy import create_engine, select
+
+from shared.db.engine import sync_url
+from shared.db.models import Attempt, TrainingStep, TrainingStepAttempt
+from tests.conftest import ProxyFactory
+
+pytestmark = pytest.mark.vllm
+
+GROUPS, GROUP_SIZE = 6, 4
+TRAINER = str(Path(sys.executable).parent / "rolltap-trainer")
+
+
+def _record_attempts(proxy_url: str) -> None:
+    """GROUPS tasks x GROUP_SIZE attempts through the proxy from the real vLLM replica, rewarded."""
+    def attempt(job: tuple[int, int]) -> None:
+        g, k = job
+        with httpx.Client(timeout=120) as http:
+            base = f"{proxy_url}/rollout/task-{g}/attempt/{k}/v1"
+            r = http.post(f"{base}/chat/completions", json={
+                "model": "x", "messages": [{"role": "user", "content": f"task {g}: say e"}], "max_tokens": 8})
+            r.raise_for_status()
+            text = r.json()["choices"][0]["message"]["content"]
+            http.post(f"{proxy_url}/rollout/task-{g}/attempt/{k}/finish",
+                      json={"status": "succeeded", "reward": text.count("e") / max(1, len(text))}).raise_for_status()
+
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        list(pool.map(attempt, [(g, k) for g in range(GROUPS) for k in range(GROUP_SIZE)]))
+
+
+def _trainer(config: Path, crash_at: str | None) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "ROLLTAP_CONFIG": str(config)}
+    env.pop("ROLLTAP_TRAINER_CRASH_AT", None)
+    if crash_at:
+        env["ROLLTAP_TRAINER_CRASH_AT"] = crash_at
+    return subprocess.run([TRAINER, "--log-level", "info", "run", "--no-push"], env=env, capture_output=True,
+                          text=True, timeout=600)
+
+
+def _consumption(db_url: str) -> tuple[list[int], dict[int, int], set[int]]:
+    engine = create_engine(sync_url(db_url))
+    with engine.connect() as conn:
+        steps = list(conn.execute(select(TrainingStep.step).order_by(TrainingStep.step)).scalars())
+        consumed = dict(conn.execute(select(TrainingStepAttempt.attempt_pk, TrainingStepAttempt.step)).all())
+        attempts = set(conn.execute(select(Attempt.id)).scalars())
+    engine.dispose()
+    return steps, consumed, attempts
+
+
+@pytest.mark.parametrize("db_url", ["sqlite", "postgresql"], indirect=True)
+def test_killed_trainer_resumes_without_repeating_or_skipping(vllm_replica: Any, proxy_for: ProxyFactory,
+                                                              db_url: str, tiny_model_dir: Path,
+                                                              tmp_path: Path) -> None:
+    with proxy_for([vllm_replica.url]) as proxy:
+        _record_attempts(proxy.url)
+    config = tmp_path / "trainer.toml"
+    config.write_text(
+        f'[db]\nurl = "{db_url}"\n\n[trainer]\nmodel = "{tiny_model_dir}"\ncheckpoint_dir = "{tmp_path / "ckpt"}"\n'
+        f"max_steps = 3\ngroup_size = {GROUP_SIZE}\ngroups_per_step = 2\nmini_batch_size = 8\n"
+        "micro_batch_size = 4\nlr = 0.001\n"
+    )
+    # 1. Killed after step 2's checkpoint was written but before it committed.
+    first = _trainer(config, "before_commit:2")
+    assert first.returncode == 137, first.stderr[-3000:]
+    steps, consumed, attempts = _consumption(db_url)
+    assert steps == [1] and len(consumed) == 2 * GROUP_SIZE
+    assert (tmp_path / "ckpt" / "step_00000002").is_dir()  # the uncommitted checkpoint exists ...
+
+    # 2. Restarted: resumes from step 1 (not the newer, uncommitted checkpoint); killed right after committing 2.
+    second = _trainer(config, "after_commit:2")
+    assert second.returncode == 137, second.stderr[-3000:]
+    assert "resumed at committed step 1" in second.stderr
+    steps, consumed, _ = _consumption(db_url)
+    assert steps == [1, 2] and len(consumed) == 4 * GROUP_SIZE
+
+    # 3. Restarted again: resumes at 2, trains step 3 and stops at max_steps.
+    third = _trainer(config, None)
+    assert third.returncode == 0, third.stderr[-3000:]
+    assert "resumed at committed step 2" in third.stderr
+    assert "step 3/3" in third.stdout
+    steps, consumed, attempts = _consumption(db_url)
+    assert steps == [1, 2, 3]
+    assert set(consumed) == attempts  # every attempt consumed (none skipped) ...
+    assert sorted(list(consumed.values()).count(s) for s in (1, 2, 3)) == [8, 8, 8]  # ... by exactly one step
