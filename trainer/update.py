@@ -45,7 +45,7 @@ from trainer.batch import Batch
 if TYPE_CHECKING:
     from tensordict import TensorDict
 
-__all__ = ["CheckpointError", "PolicyUpdater", "dp_order"]
+__all__ = ["CheckpointError", "PolicyUpdater", "dp_order", "start_ray"]
 
 # The tensors of a Batch the engine reads; the rest (rewards, flags) stays in the driver.
 _ENGINE_KEYS = ("prompts", "responses", "input_ids", "attention_mask", "position_ids", "response_mask")
@@ -69,6 +69,25 @@ def dp_order(num_rows: int, mini_batch_size: int, num_workers: int) -> torch.Ten
     order = [k * mini_batch_size + r * per + i
              for r in range(num_workers) for k in range(num_rows // mini_batch_size) for i in range(per)]
     return torch.tensor(order, dtype=torch.long)
+
+
+def start_ray(settings: TrainerSettings, device: verl_cpu.Device) -> bool:
+    """Start a local Ray sized for `settings` unless Ray is running; True when this call started it.
+
+    One CPU per worker on CPU (verl's bundles then ask for one each), and a capped object
+    store: Ray's default reserves ~30% of RAM in /dev/shm.
+    """
+    import ray
+
+    if ray.is_initialized():
+        return False
+    ray.init(
+        num_cpus=settings.num_workers if device == "cpu" else None,
+        object_store_memory=settings.ray_object_store_mb << 20,
+        include_dashboard=False,
+        runtime_env={"env_vars": verl_cpu.worker_env(device)},
+    )
+    return True
 
 
 def _mean(values: Any) -> float:
@@ -181,15 +200,7 @@ class PolicyUpdater:
         from trainer.worker import PolicyWorker
 
         s, env = self.settings, verl_cpu.worker_env(self.device)
-        started = False
-        if not ray.is_initialized():
-            ray.init(
-                num_cpus=s.num_workers if self.device == "cpu" else None,
-                object_store_memory=s.ray_object_store_mb << 20,
-                include_dashboard=False,
-                runtime_env={"env_vars": env},
-            )
-            started = True
+        started = start_ray(s, self.device)
         pool = RayResourcePool(process_on_nodes=[s.num_workers], use_gpu=self.device == "cuda", max_colocate_count=1)
         cls = RayClassWithInitArgs(ray.remote(PolicyWorker), config=config, device=self.device, with_ref_model=with_ref)
         group = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=cls, device_name=self.device, worker_env=env)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -9,7 +10,7 @@ import torch
 
 from tests.trainer.policy_batch import policy_batch
 from tests.trainer.test_update import settings
-from trainer.update import PolicyUpdater
+from trainer.update import PolicyUpdater, start_ray
 
 pytestmark = [
     # verl's engine package warns at import that optional backends (megatron, mindspeed, ...) are absent.
@@ -19,8 +20,19 @@ pytestmark = [
 ]
 
 
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[None]:
+    """One local Ray for the module, started as PolicyUpdater starts it (2 CPUs, a small object store)."""
+    import ray
+
+    assert start_ray(settings(backend="ray", num_workers=2), "cpu")
+    yield
+    ray.shutdown()
+
+
 @pytest.mark.parametrize("lora_rank", [8, 0], ids=["lora", "full"])
-def test_two_ray_workers_match_one_process(tiny_model_dir: Path, tmp_path: Path, lora_rank: int) -> None:
+def test_two_ray_workers_match_one_process(ray_cluster: None, tiny_model_dir: Path, tmp_path: Path,
+                                           lora_rank: int) -> None:
     # 8 rows in mini-batches of 4: two optimizer steps, each on the same rows in both runs.
     batch = policy_batch(tiny_model_dir, copies=2, mini_batch_size=4)
     threads = torch.get_num_threads()
