@@ -7,8 +7,10 @@ SQLite and PostgreSQL; the two upsert dialects are chosen in one helper.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 from datetime import UTC, datetime
+from operator import attrgetter
 from typing import Any
 
 from sqlalchemy import Insert, func, select, update
@@ -52,6 +54,32 @@ async def _ensure_attempts(conn: AsyncConnection, keys: dict[tuple[str, str], in
     )
 
 
+# The columns a record fills, read straight off the record: a shallow row. (`CallRecord.to_row`
+# deep-copies every request and response through `dataclasses.asdict`, which cost more than
+# the insert itself; the record is not changed after it is queued, so no copy is needed.)
+_ROW_FIELDS = tuple(f.name for f in dataclasses.fields(CallRecord) if f.name != "arrival")
+_row_values = attrgetter(*_ROW_FIELDS)
+
+
+def _row(record: CallRecord, seq: int | None) -> dict[str, Any]:
+    row = dict(zip(_ROW_FIELDS, _row_values(record), strict=True))
+    row["seq"] = seq
+    return row
+
+
+async def _take_seq(conn: AsyncConnection, key: tuple[str, str], n: int) -> int | None:
+    """Add `n` to the attempt's call count; its new value, or None when the attempt has no row yet."""
+    rid, aid = key
+    return (
+        await conn.execute(
+            update(Attempt)
+            .where(Attempt.rollout_id == rid, Attempt.attempt_id == aid)
+            .values(num_calls=Attempt.num_calls + n)
+            .returning(Attempt.num_calls)
+        )
+    ).scalar_one_or_none()
+
+
 async def write_calls(conn: AsyncConnection, records: list[CallRecord], *, skip_existing: bool = False) -> int:
     """Insert a batch of call records; returns how many were inserted.
 
@@ -59,6 +87,9 @@ async def write_calls(conn: AsyncConnection, records: list[CallRecord], *, skip_
     per attempt, which row-locks the attempt on PostgreSQL, so several proxies sharing a
     database never hand out the same number. Within a batch, calls are numbered in the
     order they started. `skip_existing` makes a replay of spooled batches idempotent.
+    An attempt's rollout and attempt rows are created only when the UPDATE finds no row
+    (its first batch): attempts are visited in key order either way, so two writers on one
+    PostgreSQL database take their row locks in the same order.
     """
     if skip_existing and records:
         existing = set(
@@ -68,25 +99,25 @@ async def write_calls(conn: AsyncConnection, records: list[CallRecord], *, skip_
     if not records:
         return 0
     by_attempt: dict[tuple[str, str], list[CallRecord]] = defaultdict(list)
+    untracked: list[CallRecord] = []
     for record in records:
         key = record.attempt_key
         if key is not None:
             by_attempt[key].append(record)
-    await _ensure_attempts(conn, {key: recs[0].policy_version for key, recs in by_attempt.items()})
+        else:
+            untracked.append(record)
     rows: list[dict[str, Any]] = []
-    for (rid, aid), recs in sorted(by_attempt.items()):
+    for key, recs in sorted(by_attempt.items()):
         recs.sort(key=lambda r: (r.started_at, r.arrival))
-        total = (
-            await conn.execute(
-                update(Attempt)
-                .where(Attempt.rollout_id == rid, Attempt.attempt_id == aid)
-                .values(num_calls=Attempt.num_calls + len(recs))
-                .returning(Attempt.num_calls)
-            )
-        ).scalar_one()
-        for offset, record in enumerate(recs):
-            rows.append({**record.to_row(), "seq": total - len(recs) + offset})
-    rows.extend({**r.to_row(), "seq": None} for r in records if r.attempt_key is None)
+        total = await _take_seq(conn, key, len(recs))
+        if total is None:
+            await _ensure_attempts(conn, {key: recs[0].policy_version})
+            total = await _take_seq(conn, key, len(recs))
+            if total is None:
+                raise RuntimeError(f"attempt {key[0]}/{key[1]} vanished while its calls were written")
+        first = total - len(recs)
+        rows.extend(_row(record, first + offset) for offset, record in enumerate(recs))
+    rows.extend(_row(r, None) for r in untracked)
     await conn.execute(_insert(conn, Call), rows)
     return len(rows)
 
