@@ -72,7 +72,7 @@ def create_app(settings: Settings) -> FastAPI:
         if settings.db.migrate_on_start:
             await anyio.to_thread.run_sync(upgrade, settings.db)
         # One connection writes (SQLite allows one writer); a pool serves reads.
-        writer = create_async_db(settings.db, pool_size=1)
+        writer = create_async_db(settings.db, pool_size=1, json_serializer=store.dumps_json)
         reader = create_async_db(settings.db)
         upstream = Upstream(settings.proxy)
         balancer = Balancer(settings.proxy.replicas, upstream, settings.proxy.pool, settings.proxy.health_interval_s)

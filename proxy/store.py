@@ -8,11 +8,13 @@ SQLite and PostgreSQL; the two upsert dialects are chosen in one helper.
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections import defaultdict
 from datetime import UTC, datetime
 from operator import attrgetter
 from typing import Any
 
+import orjson
 from sqlalchemy import Insert, func, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncConnection
@@ -23,6 +25,7 @@ from shared.types import CallRecord
 
 __all__ = [
     "add_reward",
+    "dumps_json",
     "finish_attempt",
     "load_active_policy",
     "read_attempt",
@@ -32,6 +35,18 @@ __all__ = [
     "upsert_replica",
     "write_calls",
 ]
+
+
+def dumps_json(value: Any) -> str:
+    """JSON columns as the writer encodes them: orjson, several times cheaper than `json.dumps`.
+
+    Request and response bodies were parsed by orjson, so orjson can encode them; anything it
+    refuses (a value from elsewhere) falls back to the stdlib, as before.
+    """
+    try:
+        return orjson.dumps(value, option=orjson.OPT_NON_STR_KEYS).decode()
+    except TypeError:
+        return json.dumps(value)
 
 
 def _insert(conn: AsyncConnection, table: Any) -> Insert:

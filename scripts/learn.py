@@ -145,7 +145,8 @@ def main() -> None:
         trainer.wait(timeout=120)
         engine = create_engine(db.replace("sqlite:///", "sqlite:///"))
         with engine.connect() as conn:
-            steps = [(s.step, s.metrics) for s in conn.execute(select(TrainingStep).order_by(TrainingStep.step)).scalars()]
+            steps = [(int(step), metrics) for step, metrics in conn.execute(
+                select(TrainingStep.step, TrainingStep.metrics).order_by(TrainingStep.step)).all()]
         engine.dispose()
         _write_report(args, curve, steps, elapsed_min)
     finally:

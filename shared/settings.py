@@ -325,7 +325,12 @@ class TrainerSettings(BaseModel):
         description="Directory of update checkpoints (model, optimizer, step), one subdirectory per step "
         "and a `latest` pointer; a restarted trainer resumes from it. Must be shared by all Ray nodes.",
     )
-    keep_checkpoints: int = Field(default=2, ge=1, description="Checkpoints kept in `checkpoint_dir`.")
+    keep_checkpoints: int = Field(
+        default=2,
+        ge=2,
+        description="Checkpoints kept in `checkpoint_dir`; at least 2, because a restart resumes from the last "
+        "committed step, which is the one before the newest while a step is being committed.",
+    )
 
     # -- the loop (`rolltap-trainer run`) ----------------------------------------------
     max_steps: int = Field(default=100, ge=0, description="Training steps this run goes up to (counting resumed ones).")

@@ -167,7 +167,7 @@ class PolicyUpdater:
             path=self.model_path,
             override_config={"attn_implementation": opts["attn_implementation"]},
             use_remove_padding=opts["use_remove_padding"],
-            enable_gradient_checkpointing=self.device != "cpu",
+            enable_gradient_checkpointing=opts["gradient_checkpointing"],
             lora_rank=s.lora_rank,
             lora_alpha=s.lora_alpha,
             target_modules=targets,
@@ -265,11 +265,15 @@ class PolicyUpdater:
         """One PPO/GRPO update on `batch` (see the module docstring); returns its metrics.
 
         `values` (B, R): a critic's values, required by `adv_estimator = "gae"`.
-        Metrics: `loss`, `pg_loss`, `grad_norm`, `lr`, `pg_clipfrac`, `pg_clipfrac_lower`,
-        `ppo_kl` (approx. KL between the updated and the old policy), `entropy`, `kl` (to
-        the reference, with `kl_coef`), `adv_mean`, `adv_abs_mean`, `rows`, `tokens`,
-        `mini_batches`, `step`, `step_time_s`, `is_weight_mean` and `is_clip_frac` (with
-        `rollout_is`), and `mismatch/*` (trainer vs replica logprobs, `algos.logprob_mismatch`).
+        Metrics (means over mini-batches): `loss`, `pg_loss`, `grad_norm` (before clipping),
+        `lr`, `clip_frac` (= `pg_clipfrac`, tokens where PPO's clip is active),
+        `pg_clipfrac_lower` (dual clip), `ppo_kl` (approximate KL between the updated and
+        the old policy), `entropy` (of the old policy, mean per response token), `kl` (to
+        the reference; only with `kl_coef > 0`), `adv_mean`, `adv_abs_mean`, `rows` (real
+        rows), `tokens` (generated tokens), `mini_batches`, `step`, `step_time_s`,
+        `is_weight_mean` and `is_clip_frac` (with `rollout_is`), `logprob_mismatch` (mean
+        |trainer - replica| logprob) and `mismatch/*` (`algos.logprob_mismatch`), both only
+        when some row carries replica logprobs.
         """
         from verl.utils import tensordict_utils as tu
 
@@ -306,7 +310,10 @@ class PolicyUpdater:
         metrics: dict[str, float] = {}
         has_lp = t["has_rollout_log_probs"]
         replica_lp = t["rollout_log_probs"]
-        metrics.update({f"mismatch/{k}": v for k, v in algos.logprob_mismatch(old_lp, replica_lp, mask, has_lp).items()})
+        mismatch = algos.logprob_mismatch(old_lp, replica_lp, mask, has_lp)
+        metrics.update({f"mismatch/{k}": v for k, v in mismatch.items()})
+        if mismatch:
+            metrics["logprob_mismatch"] = mismatch["abs_diff_mean"]
         if s.rollout_is != "off":
             weights, is_metrics = algos.rollout_is_weights(
                 old_lp, replica_lp, mask, has_lp, level=s.rollout_is, threshold=s.rollout_is_threshold
@@ -335,6 +342,7 @@ class PolicyUpdater:
             pg_loss=_mean(raw["actor/pg_loss"]),
             grad_norm=float(np.mean(grad_norms)),
             lr=_last(raw.get("lr", s.lr)),
+            clip_frac=_mean(raw["actor/pg_clipfrac"]),
             pg_clipfrac=_mean(raw["actor/pg_clipfrac"]),
             pg_clipfrac_lower=_mean(raw["actor/pg_clipfrac_lower"]),
             ppo_kl=_mean(raw["actor/ppo_kl"]),

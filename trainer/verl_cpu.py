@@ -102,6 +102,8 @@ def engine_options(device: Device) -> dict[str, Any]:
             "use_torch_compile": False,
             "attn_implementation": "sdpa",
             "use_remove_padding": False,
+            "gradient_checkpointing": False,  # recomputation costs CPU time; memory is rarely the limit
+            "ref_forward_only": False,  # forward-only FSDP2 offloads to pinned memory, which needs CUDA
         }
     try:
         import flash_attn  # noqa: F401
@@ -116,6 +118,8 @@ def engine_options(device: Device) -> dict[str, Any]:
         "use_torch_compile": True,
         "attn_implementation": "flash_attention_2" if has_flash else "sdpa",
         "use_remove_padding": has_flash,
+        "gradient_checkpointing": True,
+        "ref_forward_only": True,  # the frozen reference lives in CPU memory, as verl's ref worker does
     }
 
 

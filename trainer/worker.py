@@ -46,8 +46,7 @@ class PolicyWorker(TrainingWorker):  # type: ignore[misc]
         self.ref: TrainingWorker | None = None
         if with_ref_model:
             ref_config = deepcopy(config)
-            # forward_only makes FSDP2 keep the frozen copy in pinned CPU memory, which needs CUDA.
-            ref_config.engine_config.forward_only = device != "cpu"
+            ref_config.engine_config.forward_only = verl_cpu.engine_options(device)["ref_forward_only"]
             self.ref = TrainingWorker(ref_config)
 
     @property

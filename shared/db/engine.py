@@ -6,6 +6,7 @@ side gets aiosqlite/asyncpg and the sync side (alembic, scripts) sqlite3/psycopg
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from sqlalchemy import Engine, create_engine, event
@@ -58,10 +59,15 @@ def _sqlite_pragmas(settings: DbSettings) -> Any:
     return on_connect
 
 
-def create_async_db(settings: DbSettings, *, pool_size: int | None = None) -> AsyncEngine:
-    """An async engine for `settings.url`. `pool_size` overrides the PostgreSQL pool size."""
+def create_async_db(
+    settings: DbSettings, *, pool_size: int | None = None, json_serializer: Callable[[Any], str] | None = None
+) -> AsyncEngine:
+    """An async engine for `settings.url`. `pool_size` overrides the PostgreSQL pool size;
+    `json_serializer` replaces the stdlib `json.dumps` used to write JSON columns."""
     url = async_url(settings.url)
     kwargs: dict[str, Any] = {}
+    if json_serializer is not None:
+        kwargs["json_serializer"] = json_serializer
     if url.get_backend_name() == "postgresql":
         kwargs.update(pool_size=pool_size or settings.pool_size, pool_pre_ping=True)
     engine = create_async_engine(url, **kwargs)

@@ -71,10 +71,10 @@ def test_one_update_moves_logprobs_with_the_advantage(trained: SimpleNamespace, 
     assert m["tokens"] == float(batch.tensors["response_mask"].sum()) == 10
     assert m["mini_batches"] == 1 and m["step_time_s"] > 0
     # one mini-batch: the ratio is 1 everywhere, nothing is clipped
-    assert m["pg_clipfrac"] == 0 and m["ppo_kl"] == pytest.approx(0, abs=1e-6)
-    assert m["entropy"] > 0
+    assert m["clip_frac"] == m["pg_clipfrac"] == 0 and m["ppo_kl"] == pytest.approx(0, abs=1e-6)
+    assert m["entropy"] > 0 and "kl" not in m  # no reference without kl_coef
     # the replica "served the base model": trainer and replica agree, IS weights are 1
-    assert m["mismatch/abs_diff_max"] < 1e-4 and m["mismatch/tokens"] == 8
+    assert m["logprob_mismatch"] < 1e-5 and m["mismatch/abs_diff_max"] < 1e-4 and m["mismatch/tokens"] == 8
     assert m["is_weight_mean"] == pytest.approx(1.0, abs=1e-4) and m["is_clip_frac"] == 0
 
     mask = batch.tensors["response_mask"].bool()
