@@ -45,6 +45,7 @@ checkpoint_dir = "{ckpt}"
 max_steps = {steps}
 group_size = {group_size}
 groups_per_step = {groups}
+min_groups_per_step = {groups}
 max_staleness = 1
 proxy_url = "{proxy}"
 admin_token = "{token}"

@@ -335,6 +335,15 @@ class TrainerSettings(BaseModel):
     # -- the loop (`rolltap-trainer run`) ----------------------------------------------
     max_steps: int = Field(default=100, ge=0, description="Training steps this run goes up to (counting resumed ones).")
     groups_per_step: int = Field(default=4, ge=1, description="Ready groups one step trains on, at most.")
+    min_groups_per_step: int = Field(
+        default=1,
+        ge=1,
+        description="A step waits for this many ready groups (up to `step_wait_s`), so it does not train on a "
+        "sliver of the data while the rest of a policy version's groups are still being sampled.",
+    )
+    step_wait_s: float = Field(
+        default=60.0, ge=0, description="Longest a step waits for `min_groups_per_step` before taking fewer."
+    )
     poll_interval_s: float = Field(default=0.5, gt=0, description="Pause between looks for ready groups.")
     push: bool = Field(
         default=True, description="Push each new policy to the proxy's replicas; off trains from logs only."

@@ -67,15 +67,18 @@ def _crash_point(phase: str, step: int) -> None:
 
 def _wait_for_data(engine: Engine, settings: Settings, tokenizer: Tokenizer | None,
                    should_stop: Callable[[], bool]) -> DataRead | None:
-    """Ready groups with at least one sample; polls until there are some (or the loop is told to stop)."""
+    """Ready groups with samples: `min_groups_per_step` of them, or fewer once `step_wait_s` has passed."""
     ts = settings.trainer
+    first_seen: float | None = None
     while not should_stop():
         data = read_samples(engine, ts, tokenizer=tokenizer, max_groups=ts.groups_per_step)
         if data.samples:
-            return data
-        if data.groups:
-            # Groups that yielded nothing trainable are consumed anyway by the next step that
-            # finds samples; logged so silent starvation is visible.
+            first_seen = first_seen if first_seen is not None else time.monotonic()
+            if len(data.groups) >= ts.min_groups_per_step or time.monotonic() - first_seen >= ts.step_wait_s:
+                return data
+        elif data.groups:
+            # Groups that yielded nothing trainable are consumed by the next step that finds
+            # samples; logged so that silent starvation is visible.
             logger.info("%d ready group(s) without trainable triplets: %s", len(data.groups), dict(data.drop_counts()))
         time.sleep(ts.poll_interval_s)
     return None
