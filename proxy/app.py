@@ -27,7 +27,7 @@ from proxy.relay import Relay
 from proxy.routes import admin, health, lifecycle
 from proxy.routes.relayed import relayed_routes
 from proxy.upstream import Upstream
-from shared.db.engine import create_async_db
+from shared.db.engine import create_async_db, create_sync_db, is_sqlite
 from shared.db.migrate import upgrade
 from shared.settings import Settings
 
@@ -71,14 +71,17 @@ def create_app(settings: Settings) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if settings.db.migrate_on_start:
             await anyio.to_thread.run_sync(upgrade, settings.db)
-        # One connection writes (SQLite allows one writer); a pool serves reads.
+        # One writer task writes (SQLite allows one writer); a pool serves reads. On SQLite the
+        # recorder writes record batches through a sync connection in a thread of its own.
         writer = create_async_db(settings.db, pool_size=1, json_serializer=store.dumps_json)
+        writer_sync = (create_sync_db(settings.db, keep_connection=True, json_serializer=store.dumps_json)
+                       if is_sqlite(settings.db.url) else None)
         reader = create_async_db(settings.db)
         upstream = Upstream(settings.proxy)
         balancer = Balancer(settings.proxy.replicas, upstream, settings.proxy.pool, settings.proxy.health_interval_s)
         admission = Admission(settings.proxy.pool.pause_wait_s)
         hosted = load_hosted(settings.proxy.litellm_config)
-        recorder = Recorder(settings.proxy.recorder, writer)
+        recorder = Recorder(settings.proxy.recorder, writer, writer_sync)
         policy = ActivePolicy()
         app.state.settings = settings
         app.state.reader = reader

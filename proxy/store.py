@@ -15,7 +15,7 @@ from operator import attrgetter
 from typing import Any
 
 import orjson
-from sqlalchemy import Insert, func, select, update
+from sqlalchemy import Connection, Insert, Integer, bindparam, func, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncConnection
 
@@ -34,6 +34,7 @@ __all__ = [
     "set_active_policy",
     "upsert_replica",
     "write_calls",
+    "write_calls_sync",
 ]
 
 
@@ -49,24 +50,28 @@ def dumps_json(value: Any) -> str:
         return json.dumps(value)
 
 
-def _insert(conn: AsyncConnection, table: Any) -> Insert:
+def _insert(conn: AsyncConnection | Connection, table: Any) -> Insert:
     module = postgresql if conn.dialect.name == "postgresql" else sqlite
     return module.insert(table)  # type: ignore[no-any-return]
 
 
-async def _ensure_attempts(conn: AsyncConnection, keys: dict[tuple[str, str], int | None]) -> None:
+def _ensure_attempts_sync(conn: Connection, keys: dict[tuple[str, str], int | None]) -> None:
     """Create missing rollout and attempt rows (the first call creates them; registration is optional)."""
     if not keys:
         return
     rollouts = sorted({rid for rid, _ in keys})
-    await conn.execute(
+    conn.execute(
         _insert(conn, Rollout).on_conflict_do_nothing(index_elements=["rollout_id"]),
         [{"rollout_id": rid} for rid in rollouts],
     )
-    await conn.execute(
+    conn.execute(
         _insert(conn, Attempt).on_conflict_do_nothing(index_elements=["rollout_id", "attempt_id"]),
         [{"rollout_id": rid, "attempt_id": aid, "policy_version": pv} for (rid, aid), pv in sorted(keys.items())],
     )
+
+
+async def _ensure_attempts(conn: AsyncConnection, keys: dict[tuple[str, str], int | None]) -> None:
+    await conn.run_sync(_ensure_attempts_sync, keys)
 
 
 # The columns a record fills, read straight off the record: a shallow row. (`CallRecord.to_row`
@@ -82,20 +87,23 @@ def _row(record: CallRecord, seq: int | None) -> dict[str, Any]:
     return row
 
 
-async def _take_seq(conn: AsyncConnection, key: tuple[str, str], n: int) -> int | None:
+# Built once: constructing these per batch cost more than running them.
+_TAKE_SEQ = (
+    update(Attempt)
+    .where(Attempt.rollout_id == bindparam("rid"), Attempt.attempt_id == bindparam("aid"))
+    .values(num_calls=Attempt.num_calls + bindparam("n", type_=Integer))
+    .returning(Attempt.num_calls)
+)
+_INSERT_CALLS = {"postgresql": postgresql.insert(Call), "sqlite": sqlite.insert(Call)}
+
+
+def _take_seq(conn: Connection, key: tuple[str, str], n: int) -> int | None:
     """Add `n` to the attempt's call count; its new value, or None when the attempt has no row yet."""
-    rid, aid = key
-    return (
-        await conn.execute(
-            update(Attempt)
-            .where(Attempt.rollout_id == rid, Attempt.attempt_id == aid)
-            .values(num_calls=Attempt.num_calls + n)
-            .returning(Attempt.num_calls)
-        )
-    ).scalar_one_or_none()
+    total: int | None = conn.execute(_TAKE_SEQ, {"rid": key[0], "aid": key[1], "n": n}).scalar_one_or_none()
+    return total
 
 
-async def write_calls(conn: AsyncConnection, records: list[CallRecord], *, skip_existing: bool = False) -> int:
+def write_calls_sync(conn: Connection, records: list[CallRecord], *, skip_existing: bool = False) -> int:
     """Insert a batch of call records; returns how many were inserted.
 
     Sequence numbers are taken from `attempts.num_calls` with one UPDATE ... RETURNING
@@ -105,10 +113,13 @@ async def write_calls(conn: AsyncConnection, records: list[CallRecord], *, skip_
     An attempt's rollout and attempt rows are created only when the UPDATE finds no row
     (its first batch): attempts are visited in key order either way, so two writers on one
     PostgreSQL database take their row locks in the same order.
+
+    Synchronous so that SQLite's writer can run a whole batch in its own thread with one
+    hop (`Recorder`); `write_calls` runs it on an async connection (PostgreSQL).
     """
     if skip_existing and records:
         existing = set(
-            (await conn.execute(select(Call.call_id).where(Call.call_id.in_([r.call_id for r in records])))).scalars()
+            conn.execute(select(Call.call_id).where(Call.call_id.in_([r.call_id for r in records]))).scalars()
         )
         records = [r for r in records if r.call_id not in existing]
     if not records:
@@ -124,17 +135,23 @@ async def write_calls(conn: AsyncConnection, records: list[CallRecord], *, skip_
     rows: list[dict[str, Any]] = []
     for key, recs in sorted(by_attempt.items()):
         recs.sort(key=lambda r: (r.started_at, r.arrival))
-        total = await _take_seq(conn, key, len(recs))
+        total = _take_seq(conn, key, len(recs))
         if total is None:
-            await _ensure_attempts(conn, {key: recs[0].policy_version})
-            total = await _take_seq(conn, key, len(recs))
+            _ensure_attempts_sync(conn, {key: recs[0].policy_version})
+            total = _take_seq(conn, key, len(recs))
             if total is None:
                 raise RuntimeError(f"attempt {key[0]}/{key[1]} vanished while its calls were written")
         first = total - len(recs)
         rows.extend(_row(record, first + offset) for offset, record in enumerate(recs))
     rows.extend(_row(r, None) for r in untracked)
-    await conn.execute(_insert(conn, Call), rows)
+    conn.execute(_INSERT_CALLS[conn.dialect.name], rows)
     return len(rows)
+
+
+async def write_calls(conn: AsyncConnection, records: list[CallRecord], *, skip_existing: bool = False) -> int:
+    """`write_calls_sync` on an async connection."""
+    inserted: int = await conn.run_sync(write_calls_sync, records, skip_existing=skip_existing)
+    return inserted
 
 
 async def register_rollout(

@@ -82,11 +82,11 @@ def _ready(url: str) -> bool:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--minutes", type=float, default=15.0, help="time budget for the training part")
     parser.add_argument("--groups", type=int, default=4, help="tasks per step")
     parser.add_argument("--group-size", type=int, default=8, help="attempts per task (a GRPO group)")
-    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--lr", type=float, default=1e-2)
     parser.add_argument("--port", type=int, default=8010)
     parser.add_argument("--workdir", type=Path, default=ROOT / ".rolltap" / "learn")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "learning.md")

@@ -21,7 +21,7 @@ the loss a test checks by hand is the loss the engine backpropagates.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import numpy as np
 import torch
@@ -94,7 +94,7 @@ def compute_advantages(
             token_level_rewards=rewards, values=values.float(), response_mask=mask, gamma=gamma, lam=lam
         )
         return adv * mask, ret * mask
-    fn = core_algos.get_adv_estimator_fn(estimator)
+    fn = core_algos.get_adv_estimator_fn(estimator)  # type: ignore[no-untyped-call]
     config = AlgoConfig(gamma=gamma, lam=lam, adv_estimator=estimator, norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo)
     kwargs: dict[str, Any] = {"token_level_rewards": rewards, "response_mask": mask, "config": config}
     if estimator != "reinforce_plus_plus":
@@ -161,7 +161,7 @@ def policy_loss(
     from verl.trainer.ppo import core_algos
 
     config.global_batch_info.clear()  # local aggregation: this batch is the whole batch
-    loss, metrics = core_algos.get_policy_loss_fn("vanilla")(
+    loss, metrics = core_algos.get_policy_loss_fn("vanilla")(  # type: ignore[no-untyped-call]
         old_log_prob=old_log_prob,
         log_prob=log_prob,
         advantages=advantages,
@@ -184,7 +184,9 @@ def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kl_type: str 
 
     if kl_type not in KL_TYPES:
         raise ValueError(f"unknown kl_type {kl_type!r}; expected one of {KL_TYPES}")
-    out: torch.Tensor = core_algos.kl_penalty(log_prob, ref_log_prob, kl_type)
+    out: torch.Tensor = core_algos.kl_penalty(
+        cast(torch.FloatTensor, log_prob), cast(torch.FloatTensor, ref_log_prob), kl_type
+    )
     return out
 
 

@@ -43,7 +43,7 @@ from trainer import algos, verl_cpu
 from trainer.batch import Batch
 
 if TYPE_CHECKING:
-    from tensordict import TensorDict
+    from tensordict import TensorDict  # type: ignore[import-untyped]
 
 __all__ = ["CheckpointError", "PolicyUpdater", "dp_order", "start_ray"]
 

@@ -45,6 +45,7 @@ mixed precision, flash-attention when installed, packed sequences).
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import socket
 import sys
@@ -54,6 +55,7 @@ from contextlib import contextmanager
 from typing import Any, Literal
 
 import torch
+from verl.plugin.platform import PlatformBase, PlatformRegistry, get_platform, set_platform
 
 __all__ = [
     "Device",
@@ -105,12 +107,7 @@ def engine_options(device: Device) -> dict[str, Any]:
             "gradient_checkpointing": False,  # recomputation costs CPU time; memory is rarely the limit
             "ref_forward_only": False,  # forward-only FSDP2 offloads to pinned memory, which needs CUDA
         }
-    try:
-        import flash_attn  # noqa: F401
-
-        has_flash = True
-    except ImportError:
-        has_flash = False
+    has_flash = importlib.util.find_spec("flash_attn") is not None
     return {
         "strategy": "fsdp2",
         "model_dtype": "fp32",  # master weights; compute in bf16 through FSDP2's mixed precision
@@ -178,10 +175,9 @@ class _CpuDeviceModule(types.ModuleType):
 
     @staticmethod
     def mem_get_info(device: Any = None) -> tuple[int, int]:
-        import psutil
-
-        vm = psutil.virtual_memory()
-        return int(vm.available), int(vm.total)
+        pages, free = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_AVPHYS_PAGES")
+        size = os.sysconf("SC_PAGE_SIZE")
+        return free * size, pages * size
 
     @staticmethod
     def get_rng_state(device: Any = None) -> torch.Tensor:
@@ -207,104 +203,90 @@ class _CpuDeviceModule(types.ModuleType):
 _DEVICE_MODULE = _CpuDeviceModule()
 
 
-def _platform_class() -> type:
-    from verl.plugin.platform import PlatformBase
+class PlatformCPU(PlatformBase):
+    """verl platform for plain CPU processes (see the module docstring, item 1)."""
 
-    class PlatformCPU(PlatformBase):  # type: ignore[misc]
-        """verl platform for plain CPU processes (see the module docstring, item 1)."""
+    @property
+    def device_name(self) -> str:
+        return "cpu"
 
-        @property
-        def device_name(self) -> str:
-            return "cpu"
+    @property
+    def vendor_name(self) -> str:
+        return "cpu"
 
-        @property
-        def vendor_name(self) -> str:
-            return "cpu"
+    @property
+    def device_module(self) -> types.ModuleType:
+        return _DEVICE_MODULE
 
-        @property
-        def device_module(self) -> types.ModuleType:
-            return _DEVICE_MODULE
+    def is_available(self) -> bool:
+        return True
 
-        def is_available(self) -> bool:
-            return True
+    def is_platform_available(self, use_smi_check: bool = False) -> bool:
+        return True
 
-        def is_platform_available(self, use_smi_check: bool = False) -> bool:
-            return True
+    def current_device(self) -> str:  # type: ignore[override]
+        return "cpu"  # verl does `.to(get_device_id())`; an int would mean cuda:N
 
-        def current_device(self) -> str:  # type: ignore[override]
-            return "cpu"  # verl does `.to(get_device_id())`; an int would mean cuda:N
+    def device_count(self) -> int:
+        return 1
 
-        def device_count(self) -> int:
-            return 1
+    def set_device(self, device_index: int) -> None:
+        return None
 
-        def set_device(self, device_index: int) -> None:
-            return None
+    def synchronize(self, device_index: int | None = None) -> None:
+        return None
 
-        def synchronize(self, device_index: int | None = None) -> None:
-            return None
+    def manual_seed(self, seed: int) -> None:
+        torch.manual_seed(seed)
 
-        def manual_seed(self, seed: int) -> None:
-            torch.manual_seed(seed)
+    def manual_seed_all(self, seed: int) -> None:
+        torch.manual_seed(seed)
 
-        def manual_seed_all(self, seed: int) -> None:
-            torch.manual_seed(seed)
+    def set_allocator_settings(self, settings: str) -> None:
+        return None
 
-        def set_allocator_settings(self, settings: str) -> None:
-            return None
+    def empty_cache(self) -> None:
+        return None
 
-        def empty_cache(self) -> None:
-            return None
+    def get_device_capability(self, device_index: int = 0) -> tuple[int | None, int | None]:
+        return None, None
 
-        def get_device_capability(self, device_index: int = 0) -> tuple[int | None, int | None]:
-            return None, None
+    def communication_backend_name(self) -> str:
+        return "gloo"
 
-        def communication_backend_name(self) -> str:
-            return "gloo"
+    def visible_devices_envvar(self) -> str:
+        return "CUDA_VISIBLE_DEVICES"
 
-        def visible_devices_envvar(self) -> str:
-            return "CUDA_VISIBLE_DEVICES"
+    @contextmanager
+    def nvtx_range(self, msg: str) -> Iterator[None]:
+        yield
 
-        @contextmanager
-        def nvtx_range(self, msg: str) -> Iterator[None]:
-            yield
+    def profiler_start(self) -> None:
+        return None
 
-        def profiler_start(self) -> None:
-            return None
+    def profiler_stop(self) -> None:
+        return None
 
-        def profiler_stop(self) -> None:
-            return None
+    def ray_resource_name(self) -> str:
+        return "CPU"
 
-        def ray_resource_name(self) -> str:
-            return "CPU"
+    def ray_noset_envvars(self) -> list[str]:
+        return []
 
-        def ray_noset_envvars(self) -> list[str]:
-            return []
+    def ray_resource_options(self, num_gpus: float) -> dict[str, Any]:
+        return {}
 
-        def ray_resource_options(self, num_gpus: float) -> dict[str, Any]:
-            return {}
+    def is_ipc_supported(self) -> bool:
+        return False
 
-        def is_ipc_supported(self) -> bool:
-            return False
-
-        def cudart(self) -> Any:
-            return None
-
-    return PlatformCPU
+    def cudart(self) -> Any:
+        return None
 
 
-PlatformCPU: type | None = None
-
-
-def register() -> type:
-    """Register `PlatformCPU` under the name `cpu` in verl's platform registry (idempotent)."""
-    global PlatformCPU
-    from verl.plugin.platform import PlatformRegistry
-
-    if PlatformCPU is None:
-        PlatformCPU = _platform_class()
+def register() -> None:
+    """Register `PlatformCPU` as verl's platform `cpu` (idempotent; selecting it is `VERL_PLATFORM=cpu`)."""
     if PlatformRegistry.get("cpu") is not PlatformCPU:
         PlatformRegistry.register(platform="cpu")(PlatformCPU)
-    return PlatformCPU
 
 
 def setup(device: Device) -> None:
@@ -319,13 +301,11 @@ def setup(device: Device) -> None:
             f"verl's FSDP engine was imported for {impl.device_name!r}, not {device!r}: call "
             "trainer.verl_cpu.setup() before anything imports verl.workers (or use a fresh process)"
         )
-    from verl.plugin.platform import get_platform, set_platform
-
     if device == "cpu":
         os.environ.update(_CPU_ENV)
-        cls = register()
+        register()
         if get_platform().device_name != "cpu":  # resolved earlier without us; nothing read it yet
-            set_platform(cls())
+            set_platform(PlatformCPU())
     resolved = get_platform().device_name
     if resolved != device:
         raise RuntimeError(f"verl's platform in this process is {resolved!r}, not {device!r}")
@@ -356,6 +336,5 @@ def init_process_group(device: Device) -> None:
     )
 
 
-# Imported through VERL_USE_EXTERNAL_MODULES (or by the trainer): make `cpu` selectable.
-if os.environ.get("VERL_PLATFORM") == "cpu":
-    register()
+# Imported by the trainer, or by `import verl` itself in Ray workers (VERL_USE_EXTERNAL_MODULES).
+register()

@@ -76,10 +76,20 @@ def create_async_db(
     return engine
 
 
-def create_sync_db(settings: DbSettings) -> Engine:
-    """A sync engine (migrations, CLI reports). Not pooled: these are short-lived."""
+def create_sync_db(
+    settings: DbSettings, *, keep_connection: bool = False, json_serializer: Callable[[Any], str] | None = None
+) -> Engine:
+    """A sync engine (migrations, CLI reports). Not pooled: these are short-lived.
+
+    `keep_connection`: keep one connection open between uses instead (the proxy's SQLite
+    writer thread, which writes a batch every few milliseconds)."""
     url = sync_url(settings.url)
-    engine = create_engine(url, poolclass=NullPool)
+    kwargs: dict[str, Any] = {"poolclass": NullPool}
+    if keep_connection:
+        kwargs = {"pool_size": 1, "max_overflow": 0}
+    if json_serializer is not None:
+        kwargs["json_serializer"] = json_serializer
+    engine = create_engine(url, **kwargs)
     if url.get_backend_name() == "sqlite":
         event.listen(engine, "connect", _sqlite_pragmas(settings))
     return engine
