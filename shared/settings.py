@@ -298,9 +298,12 @@ class TrainerSettings(BaseModel):
     weight_decay: float = Field(default=0.01, ge=0, description="AdamW weight decay.")
     grad_clip: float = Field(default=1.0, gt=0, description="Gradients are clipped to this global L2 norm.")
     lora_rank: int = Field(
-        default=32, ge=0, description="LoRA rank; 0 trains the full weights (and exports full weights)."
+        default=8,
+        ge=0,
+        description="LoRA rank; 0 trains the full weights (and exports full weights). LoRA replicas must be "
+        "started with `--max-lora-rank` at least this.",
     )
-    lora_alpha: int = Field(default=64, gt=0, description="LoRA alpha (the update is scaled by alpha / rank).")
+    lora_alpha: int = Field(default=16, gt=0, description="LoRA alpha (the update is scaled by alpha / rank).")
     lora_target_modules: list[str] = Field(
         default_factory=lambda: ["all-linear"],
         description="Module names LoRA adapts; `[\"all-linear\"]` means every linear layer but the output head.",

@@ -74,19 +74,14 @@ def dp_order(num_rows: int, mini_batch_size: int, num_workers: int) -> torch.Ten
 def start_ray(settings: TrainerSettings, device: verl_cpu.Device) -> bool:
     """Start a local Ray sized for `settings` unless Ray is running; True when this call started it.
 
-    One CPU per worker on CPU (verl's bundles then ask for one each), and a capped object
-    store: Ray's default reserves ~30% of RAM in /dev/shm.
+    One CPU per worker on CPU, and a capped object store (`trainer.verl_cpu.ray_options`).
     """
     import ray
 
     if ray.is_initialized():
         return False
-    ray.init(
-        num_cpus=settings.num_workers if device == "cpu" else None,
-        object_store_memory=settings.ray_object_store_mb << 20,
-        include_dashboard=False,
-        runtime_env={"env_vars": verl_cpu.worker_env(device)},
-    )
+    init, _ = verl_cpu.ray_options(device, settings.num_workers)
+    ray.init(object_store_memory=settings.ray_object_store_mb << 20, **init)
     return True
 
 
@@ -103,10 +98,11 @@ def _last(values: Any) -> float:
 class PolicyUpdater:
     """The policy and its optimizer, updated by verl; see the module docstring.
 
-    >>> updater = PolicyUpdater(model_dir, settings)        # doctest: +SKIP
-    >>> metrics = updater.update(build_batch(samples, mini_batch_size=settings.mini_batch_size))
-    >>> updater.export(out_dir)                              # PEFT adapter (LoRA) or HF dir
-    >>> updater.save_checkpoint()                            # checkpoint_dir/step_00000001
+        updater = PolicyUpdater(model_dir, settings.trainer)   # resume() to continue a run
+        metrics = updater.update(build_batch(samples, mini_batch_size=settings.trainer.mini_batch_size))
+        updater.save_checkpoint()                              # checkpoint_dir/step_00000001
+        updater.export(out_dir)                                # PEFT adapter (LoRA) or HF directory
+        updater.close()                                        # stops Ray workers, if any
     """
 
     def __init__(self, model_path: str | Path, settings: TrainerSettings) -> None:
@@ -201,7 +197,7 @@ class PolicyUpdater:
 
         s, env = self.settings, verl_cpu.worker_env(self.device)
         started = start_ray(s, self.device)
-        pool = RayResourcePool(process_on_nodes=[s.num_workers], use_gpu=self.device == "cuda", max_colocate_count=1)
+        pool = RayResourcePool(process_on_nodes=[s.num_workers], **verl_cpu.ray_options(self.device, s.num_workers)[1])
         cls = RayClassWithInitArgs(ray.remote(PolicyWorker), config=config, device=self.device, with_ref_model=with_ref)
         group = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=cls, device_name=self.device, worker_env=env)
         self._ray = (group, pool, started)
@@ -274,6 +270,9 @@ class PolicyUpdater:
         `is_weight_mean` and `is_clip_frac` (with `rollout_is`), `logprob_mismatch` (mean
         |trainer - replica| logprob) and `mismatch/*` (`algos.logprob_mismatch`), both only
         when some row carries replica logprobs.
+
+        Raises `FloatingPointError` when a mini-batch's loss or gradient is not finite
+        (verl skips that optimizer step; the step is not counted).
         """
         from verl.utils import tensordict_utils as tu
 
@@ -332,11 +331,15 @@ class PolicyUpdater:
             compute_loss=True,
         )
         raw = tu.get(self._call("train_mini_batch", td), "metrics")
+        norms = raw["grad_norm"]
+        grad_norms = [float(g) for g in (norms if isinstance(norms, list) else [norms])]
+        losses = raw["loss"] if isinstance(raw["loss"], list) else [raw["loss"]]
+        if not (np.isfinite(grad_norms).all() and np.isfinite([float(x) for x in losses]).all()):
+            raise FloatingPointError(
+                f"non-finite loss {losses} or gradient norm {grad_norms}: verl skipped those optimizer steps; "
+                "resume from the last checkpoint"
+            )
         self._step += 1
-
-        grad_norms = [float(g) for g in (raw["grad_norm"] if isinstance(raw["grad_norm"], list) else [raw["grad_norm"]])]
-        if not all(np.isfinite(grad_norms)):
-            raise FloatingPointError(f"non-finite gradient norm {grad_norms}: verl skipped the optimizer step")
         metrics.update(
             loss=_mean(raw["loss"]),
             pg_loss=_mean(raw["actor/pg_loss"]),
@@ -356,8 +359,6 @@ class PolicyUpdater:
         )
         if "kl_loss" in raw:
             metrics["kl"] = _mean(raw["kl_loss"])
-        if not np.isfinite(metrics["loss"]):
-            raise FloatingPointError(f"non-finite loss {metrics['loss']}")
         metrics["step_time_s"] = time.perf_counter() - start
         return metrics
 

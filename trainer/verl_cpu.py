@@ -13,10 +13,12 @@ for the reason given; nothing in verl is patched or monkey-patched:
    `empty_cache` and the profiler are no-ops, RNG state is the CPU generator's).
    `current_device()` returns the string `"cpu"` rather than an index, because verl
    passes it to `tensor.to(...)`, where `0` would mean `cuda:0`.
-   The platform is selected by `VERL_PLATFORM=cpu` and registered on import of this
-   module; Ray workers import it first through `VERL_USE_EXTERNAL_MODULES` (verl's own
-   plugin hook, run by `import verl`), because verl resolves the platform at import
-   time of its engine modules (`transformer_impl.device_name = get_device_name()`).
+   Importing this module registers the platform as `cpu`; `VERL_PLATFORM=cpu` selects it.
+   Ray workers get both through verl's own plugin hook: `import verl` imports the modules
+   named in `VERL_USE_EXTERNAL_MODULES` first. It has to happen that early because verl
+   reads the platform once, at import of its engine modules
+   (`transformer_impl.device_name = get_device_name()`); `setup()` fails loudly if that
+   already happened for another device.
 2. **`VERL_ENGINE_DEVICE=cuda`.** `EngineRegistry` registers the FSDP engines for the
    devices `cuda` and `npu` only; the override makes it hand out the same FSDP engine
    class, which (with 1 and 3-5) has no CUDA-only code on the paths we use.
@@ -25,22 +27,27 @@ for the reason given; nothing in verl is patched or monkey-patched:
    names; one process (world size 1) also needs a rendezvous address, which Ray workers
    get from verl's `RayWorkerGroup` (`MASTER_ADDR`/`MASTER_PORT`) and a local run from
    `init_process_group()` here (a free localhost port).
-4. **Engine choices** (`engine_options()`): `strategy="fsdp2"` (FSDP1 needs a CUDA
-   `device_id`), fp32 parameters and fp32 "mixed" precision (the engine's bf16 autocast
-   path is CUDA-oriented and bf16 matmuls are slow on most CPUs), no `torch.compile`
-   (no compiler toolchain assumed, and compiling costs more than it saves for one
-   update), `attn_implementation="sdpa"` (verl's default is `flash_attention_2`, a CUDA
-   kernel), and `use_remove_padding=False`: verl's packed ("remove padding") path feeds
-   one concatenated sequence with restarting position ids, which only flash-attention's
-   varlen kernel separates; with sdpa the sequences would attend to each other.
-5. **Ray without GPUs.** `RayResourcePool(use_gpu=False, max_colocate_count=1)`: one CPU
-   per worker bundle (the default asks for 10 CPUs per bundle), and `ray.init` with
-   `num_cpus` and a capped `object_store_memory` (the default reserves ~30% of RAM in
-   /dev/shm).
+4. **Engine choices** (`engine_options()`): `strategy="fsdp2"` (verl's FSDP1 path moves
+   flat parameters to `torch.device(f"{device}:{index}")`, which has no CPU spelling);
+   fp32 parameters and compute (verl's default mixed precision computes in bf16, which
+   most CPUs run slower than fp32); no `torch.compile` (the engine compiles its entropy
+   function, which needs a C++ toolchain and costs more than it saves here);
+   `attn_implementation="sdpa"` (verl's default, `flash_attention_2`, is a CUDA kernel);
+   `use_remove_padding=False`: verl's packed ("remove padding") path feeds one
+   concatenated sequence with restarting position ids, which only flash-attention's
+   varlen kernel keeps apart; with sdpa the sequences would attend to each other. No
+   gradient checkpointing (recomputing costs CPU time; memory is rarely the limit), and
+   the frozen reference model is a normal engine rather than verl's `forward_only` one,
+   which offloads to pinned memory and so needs CUDA.
+5. **Ray without GPUs** (`ray_options()`): `RayResourcePool(use_gpu=False,
+   max_colocate_count=1)`, so a worker's bundle asks for one CPU (the default is 10 per
+   bundle), and `ray.init(num_cpus=num_workers)` with a capped `object_store_memory`
+   (Ray's default reserves ~30% of RAM in /dev/shm).
 
 On a CUDA machine none of this applies: `pick_device()` returns `"cuda"`, verl detects
 its own `nvidia` platform, and `engine_options("cuda")` keeps verl's defaults (bf16
-mixed precision, flash-attention when installed, packed sequences).
+compute with fp32 master weights, flash-attention and packed sequences when `flash_attn`
+is installed, gradient checkpointing, `torch.compile`).
 """
 
 from __future__ import annotations
@@ -63,6 +70,7 @@ __all__ = [
     "engine_options",
     "init_process_group",
     "pick_device",
+    "ray_options",
     "register",
     "setup",
     "worker_env",
@@ -92,6 +100,14 @@ def pick_device(requested: str = "auto") -> Device:
 def worker_env(device: Device) -> dict[str, str]:
     """Env vars every process that imports verl needs for `device` (Ray workers get them too)."""
     return dict(_CPU_ENV) if device == "cpu" else {}
+
+
+def ray_options(device: Device, num_workers: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(`ray.init` kwargs, `RayResourcePool` kwargs) for `num_workers` workers on `device` (item 5)."""
+    init: dict[str, Any] = {"runtime_env": {"env_vars": worker_env(device)}, "include_dashboard": False}
+    if device == "cpu":
+        init["num_cpus"] = num_workers
+    return init, {"use_gpu": device == "cuda", "max_colocate_count": 1}
 
 
 def engine_options(device: Device) -> dict[str, Any]:
@@ -329,7 +345,8 @@ def init_process_group(device: Device) -> None:
     if dist.is_initialized():
         return
     if "MASTER_ADDR" not in os.environ:
-        os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "RANK": "0", "WORLD_SIZE": "1"})
+        port = str(_free_port())
+        os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "RANK": "0", "WORLD_SIZE": "1"})
     backend = "gloo" if device == "cpu" else "cpu:gloo,cuda:nccl"
     dist.init_process_group(
         backend=backend, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"])

@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Callable
 from copy import deepcopy
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
-from tensordict import TensorDict
+from tensordict import TensorDict  # type: ignore[import-untyped]
 from verl.single_controller.base.decorator import Dispatch, make_nd_compute_dataproto_dispatch_fn, register
 from verl.utils import tensordict_utils as tu
 from verl.workers.config import TrainingWorkerConfig
@@ -36,11 +37,23 @@ from trainer import verl_cpu
 
 __all__ = ["PolicyWorker"]
 
+_F = TypeVar("_F", bound=Callable[..., Any])
+_ONE_TO_ALL = Dispatch.ONE_TO_ALL  # type: ignore[attr-defined]  # verl builds Dispatch's members at runtime
+_PER_RANK_DATA = make_nd_compute_dataproto_dispatch_fn(mesh_name="train")  # type: ignore[no-untyped-call]
 
-class PolicyWorker(TrainingWorker):  # type: ignore[misc]
+
+def _worker_method(dispatch_mode: Any, blocking: bool = True) -> Callable[[_F], _F]:
+    """verl's `register` (untyped) keeping the method's type: how the worker group calls it."""
+    decorator: Callable[[_F], _F] = register(  # type: ignore[no-untyped-call]
+        dispatch_mode=dispatch_mode, blocking=blocking
+    )
+    return decorator
+
+
+class PolicyWorker(TrainingWorker):
     """verl's `TrainingWorker` for the policy, with a reference, export and inspection."""
 
-    def __init__(self, config: TrainingWorkerConfig, device: str, with_ref_model: bool = False) -> None:
+    def __init__(self, config: TrainingWorkerConfig, device: verl_cpu.Device, with_ref_model: bool = False) -> None:
         verl_cpu.init_process_group(device)  # before TrainingWorker picks a backend (verl_cpu item 3)
         super().__init__(config)
         self.ref: TrainingWorker | None = None
@@ -53,14 +66,15 @@ class PolicyWorker(TrainingWorker):  # type: ignore[misc]
     def _is_lora(self) -> bool:
         return bool(self.model_config.lora_rank > 0)
 
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    @_worker_method(_ONE_TO_ALL)
     def init_model(self, seed: int) -> None:
         torch.manual_seed(seed)
-        self.engine.initialize()
-        if self.ref is not None:
-            self.ref.engine.initialize()
+        for worker in (self, self.ref):
+            if worker is not None:
+                engine: Any = worker.engine
+                engine.initialize()
 
-    @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn(mesh_name="train"), blocking=False)
+    @_worker_method(_PER_RANK_DATA, blocking=False)
     def ref_log_prob(self, data: TensorDict) -> TensorDict | None:
         if self.ref is not None:
             out: TensorDict | None = self.ref.infer_batch(data)
@@ -74,17 +88,17 @@ class PolicyWorker(TrainingWorker):  # type: ignore[misc]
     def _full_state_dict(self) -> dict[str, torch.Tensor]:
         from verl.utils.fsdp_utils import get_fsdp_full_state_dict
 
-        state: dict[str, torch.Tensor] = get_fsdp_full_state_dict(
-            self.engine.module, offload_to_cpu=True, rank0_only=True
-        )
+        engine: Any = self.engine
+        state: dict[str, torch.Tensor] = get_fsdp_full_state_dict(engine.module, offload_to_cpu=True, rank0_only=True)
         return state
 
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    @_worker_method(_ONE_TO_ALL)
     def training_state(self) -> dict[str, Any] | None:
         """On rank 0: {"params": trainable parameters, "optim": optimizer state}, full tensors on CPU."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-        module, optim = self.engine.module, self.engine.optimizer
+        engine: Any = self.engine
+        module, optim = engine.module, engine.optimizer
         params = self._full_state_dict()
         trainable = {n for n, p in module.named_parameters() if p.requires_grad}
         optim_state = get_optimizer_state_dict(
@@ -94,7 +108,7 @@ class PolicyWorker(TrainingWorker):  # type: ignore[misc]
             return None
         return {"params": {k: v for k, v in params.items() if k in trainable}, "optim": optim_state}
 
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    @_worker_method(_ONE_TO_ALL)
     def export_policy(self, out_dir: str, kind: str) -> str | None:
         """Write the policy to `out_dir` (rank 0), through a temporary directory renamed into place.
 
@@ -128,16 +142,19 @@ class PolicyWorker(TrainingWorker):  # type: ignore[misc]
         return str(out)
 
     def _write_export(self, state: dict[str, torch.Tensor], tmp: Path, kind: str) -> None:
-        from accelerate import init_empty_weights
+        from accelerate import init_empty_weights  # type: ignore[import-untyped]
         from transformers import AutoModelForCausalLM
 
         hf_config = self.model_config.hf_config
         with init_empty_weights():
-            model = AutoModelForCausalLM.from_config(hf_config, dtype=next(iter(state.values())).dtype)
+            model: Any = AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]
+                hf_config, dtype=next(iter(state.values())).dtype
+            )
         if self._is_lora:
             from peft import get_peft_model
 
-            peft_config = deepcopy(self.engine.module.peft_config["default"])
+            engine: Any = self.engine
+            peft_config = deepcopy(engine.module.peft_config["default"])
             model = get_peft_model(model, peft_config)
         # The gathered tensors become the model's parameters (no copy); tied weights stay tied.
         missing, unexpected = model.load_state_dict(state, strict=False, assign=True)

@@ -26,7 +26,8 @@ def hf_log_probs(model: Any, batch: Batch) -> torch.Tensor:
     """(B, R) logprobs of the batch's response tokens by a transformers/PEFT model, 0 past each response."""
     t = batch.tensors
     with torch.no_grad():
-        logits = model(input_ids=t["input_ids"], attention_mask=t["attention_mask"], position_ids=t["position_ids"]).logits
+        logits = model(input_ids=t["input_ids"], attention_mask=t["attention_mask"],
+                       position_ids=t["position_ids"]).logits
     width = t["prompts"].shape[1]
     logp = torch.log_softmax(logits[:, width - 1 : -1].float(), dim=-1)
     return logp.gather(-1, t["responses"].unsqueeze(-1)).squeeze(-1) * t["attention_mask"][:, width:]

@@ -31,7 +31,8 @@ def outcome(rewards: list[float], lengths: list[int], width: int = 3) -> tuple[t
 
 def test_grpo_normalises_within_each_group() -> None:
     r, m = outcome([1.0, 0.0, 3.0, 5.0, 0.0], [3, 2, 1, 2, 0])
-    adv, ret = algos.compute_advantages("grpo", token_level_rewards=r, response_mask=m, index=uids("a", "a", "b", "b", "pad"))
+    index = uids("a", "a", "b", "b", "pad")
+    adv, ret = algos.compute_advantages("grpo", token_level_rewards=r, response_mask=m, index=index)
     # group a: mean 0.5, std (unbiased) 1/sqrt(2) -> +-1/sqrt(2); group b: mean 4, std sqrt(2) -> -+1/sqrt(2)
     expected = torch.tensor([
         [SQRT_HALF, SQRT_HALF, SQRT_HALF],
@@ -43,7 +44,7 @@ def test_grpo_normalises_within_each_group() -> None:
     torch.testing.assert_close(adv, expected, atol=1e-5, rtol=0)
     torch.testing.assert_close(ret, expected, atol=1e-5, rtol=0)
     dr, _ = algos.compute_advantages(
-        "grpo", token_level_rewards=r, response_mask=m, index=uids("a", "a", "b", "b", "pad"), norm_adv_by_std_in_grpo=False
+        "grpo", token_level_rewards=r, response_mask=m, index=index, norm_adv_by_std_in_grpo=False
     )
     assert dr[:4, 0].tolist() == pytest.approx([0.5, -0.5, -1.0, 1.0])
 

@@ -53,7 +53,8 @@ def test_two_ray_workers_match_one_process(ray_cluster: None, tiny_model_dir: Pa
         state = ray_updater.training_state()
         assert state["params"].keys() == expected_state["params"].keys()
         for name, value in expected_state["params"].items():
-            torch.testing.assert_close(state["params"][name], value, atol=1e-5, rtol=0, msg=lambda m, n=name: f"{n}: {m}")
+            torch.testing.assert_close(state["params"][name], value, atol=1e-5, rtol=0,
+                                       msg=lambda m, n=name: f"{n}: {m}")
         for name, slots in expected_state["optim"]["state"].items():
             torch.testing.assert_close(state["optim"]["state"][name]["exp_avg"], slots["exp_avg"], atol=1e-7, rtol=1e-4)
         torch.testing.assert_close(ray_updater.log_probs(batch), expected_log_probs, atol=1e-4, rtol=0)
