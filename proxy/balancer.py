@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import orjson
 
 from proxy.upstream import Upstream
-from shared.errors import Conflict, NotFound, RolltapError, UpstreamUnavailable
+from shared.errors import Conflict, NotFound, RolltapError, UpstreamTimeout, UpstreamUnavailable
 from shared.settings import PoolSettings
 
 __all__ = ["Balancer", "ReplicaState"]
@@ -52,6 +52,7 @@ class ReplicaState:
     in_flight: int = 0
     models: list[str] = field(default_factory=list)
     consecutive_errors: int = 0
+    probe_timeouts: int = 0
     running: float = 0.0
     waiting: float = 0.0
     kv_usage: float = 0.0
@@ -276,23 +277,40 @@ class Balancer:
 
     async def _probe(self, replica: ReplicaState) -> None:
         try:
-            status, _, _ = await self._upstream.get(replica.url, "/health", timeout_s=5.0)
+            status, _, _ = await self._upstream.get(replica.url, "/health", timeout_s=10.0)
             if status != 200:
                 raise UpstreamUnavailable(f"/health answered {status}")
             if not replica.models:
                 status, body, _ = await self._upstream.get(replica.url, "/v1/models", timeout_s=5.0)
                 replica.models = [m["id"] for m in orjson.loads(body).get("data", [])] if status == 200 else []
-            if self._settings.use_replica_metrics:
-                status, body, _ = await self._upstream.get(replica.url, "/metrics", timeout_s=5.0)
-                if status == 200:
-                    self._read_metrics(replica, body)
+        except UpstreamTimeout as exc:
+            # A slow answer from a loaded replica is not a dead one: eject on the second in a row.
+            replica.probe_timeouts += 1
+            if replica.probe_timeouts >= 2:
+                self.mark_unreachable(replica, str(exc))
+            return
         except (RolltapError, ValueError, KeyError) as exc:
             self.mark_unreachable(replica, str(exc))
             return
+        replica.probe_timeouts = 0
         if not replica.is_healthy:
             logger.info("replica %s healthy (models: %s)", replica.url, ", ".join(replica.models))
             replica.consecutive_errors = 0
         replica.is_healthy = True
+        if self._settings.use_replica_metrics:
+            await self._scrape(replica)
+
+    async def _scrape(self, replica: ReplicaState) -> None:
+        """Refresh the replica's queue and KV signals. Only `/health` decides health: a busy
+        replica answers `/metrics` slowly, and ejecting it for that would move its rollouts."""
+        try:
+            status, body, _ = await self._upstream.get(replica.url, "/metrics", timeout_s=2.0)
+        except RolltapError as exc:
+            logger.debug("replica %s: /metrics not read (%s); using calls in flight only", replica.url, exc)
+            replica.running = replica.waiting = replica.kv_usage = 0.0
+            return
+        if status == 200:
+            self._read_metrics(replica, body)
 
     @staticmethod
     def _read_metrics(replica: ReplicaState, body: bytes) -> None:
