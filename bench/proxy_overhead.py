@@ -18,10 +18,15 @@ rollout id of its own for every wrk run. Every run is preceded by an unmeasured 
 at the same concurrency. Targets are interleaved (their order rotated per repeat) so
 background load hits them alike; medians over repeats are reported, with the req/s range.
 
-On a 2-core machine the server under test is pinned to CPU 0 and wrk (and, while a proxy is
-measured, the replica) to CPU 1 (``--no-pin`` turns this off). PostgreSQL's backend is not
-pinned. "server CPU" is the CPU time (utime+stime, from /proc) of the server under test and
-its child processes per request served: the number least disturbed by other load.
+On a 2-core machine the server under test is pinned to one CPU (the one other work leaves
+freest, sampled before the run, or ``--server-cpu``) and wrk (and, while a proxy is measured,
+the replica) to the other (``--no-pin`` turns this off). PostgreSQL's backend is not pinned.
+Agent Lightning's gateway is restarted before each of its cells: after a burst of client
+disconnects its httpx pool keeps connections it never frees, and once the idle ones expire
+every later request waits for the pool (300 s), so it cannot be reused across cells. "server CPU" is the CPU time (utime+stime, from /proc) of the server under test and
+its child processes, from the start of a wrk run until the server is idle again (it finishes
+the requests wrk left in flight; the next run waits for that), per request sent: the number
+least disturbed by other load.
 
 Also measured: the proxy's own ``x-rolltap-overhead-ms`` header at concurrency 1 (a wrk run
 that collects it from every response), and, after the run, that each Rolltap database holds
@@ -37,7 +42,11 @@ Usage (from the repository root; needs ``wrk``: ``apt-get install -y wrk``)::
 Setting up the comparison proxies (never in the main venv)::
 
     python3.11 -m venv .venv-bench && .venv-bench/bin/pip install -r bench/requirements-litellm-proxy.txt
-    python3.12 -m venv .venv-agl && .venv-agl/bin/pip install agentlightning==1.0.2
+    python3.12 -m venv .venv-agl && .venv-agl/bin/pip install agentlightning==1.0.2 httptools uvloop
+
+(`litellm[proxy]==1.110.2` itself does not resolve from the registry: see the requirements file.
+httptools and uvloop give both the same uvicorn fast paths Rolltap runs on; without them their
+uvicorn falls back to the pure-Python h11 parser and the asyncio loop.)
 
 A target whose environment is missing is skipped with a note, unless named in --targets.
 """
@@ -147,6 +156,7 @@ class Server:
     streams: bool = True
     db_url: str | None = None
     prepare: Callable[[str], None] | None = None  # called with each new rollout id before its wrk run
+    respawn: Callable[[], None] | None = None  # restart before each cell (Agent Lightning)
     rollouts: dict[str, int] = dataclasses.field(default_factory=dict)  # rollout id -> requests sent
 
 
@@ -273,24 +283,39 @@ def start_litellm(replica: str, venv: Path, work: Path, cpu: int | None) -> Serv
 
 
 def start_agl(replica: str, venv: Path, work: Path, cpu: int | None) -> Server:
-    port = _free_port()
-    base = f"http://127.0.0.1:{port}"
     log_path = work / "agl.log"
-    cmd = [str(venv / "bin" / "agl-server"), "host=127.0.0.1", f"port={port}", f"default_proxy.model_name={MODEL}",
-           f"hydra.run.dir={work / 'agl-hydra'}", "hydra.output_subdir=null", "hydra/job_logging=disabled"]
-    proc = _spawn(cmd, env=_base_env(), cwd=work, log_path=log_path, cpu=cpu)
-    _wait_ready(base, "/healthz", proc, 60.0, log_path)
-    status, body, _ = _http("POST", base, "/api/models", [{"model": MODEL, "endpoint": f"{replica}/v1"}])
-    if status != 201:
-        raise RuntimeError(f"agl: registering the replica failed: {status} {body[:300]!r}")
+
+    def spawn() -> tuple[str, subprocess.Popen[bytes]]:
+        port = _free_port()
+        base = f"http://127.0.0.1:{port}"
+        cmd = [str(venv / "bin" / "agl-server"), "host=127.0.0.1", f"port={port}", f"default_proxy.model_name={MODEL}",
+               f"hydra.run.dir={work / 'agl-hydra'}", "hydra.output_subdir=null", "hydra/job_logging=disabled"]
+        proc = _spawn(cmd, env=_base_env(), cwd=work, log_path=log_path, cpu=cpu)
+        _wait_ready(base, "/healthz", proc, 60.0, log_path)
+        status, body, _ = _http("POST", base, "/api/models", [{"model": MODEL, "endpoint": f"{replica}/v1"}])
+        if status != 201:
+            raise RuntimeError(f"agl: registering the replica failed: {status} {body[:300]!r}")
+        return base, proc
+
+    base, proc = spawn()
+    srv = Server("agl", base, lambda rid: f"/proxy/rollout/{rid}/attempt/a%d/mode/train/openai/v1/chat/completions",
+                 "", proc, lambda: None, streams=False)
+
+    def stop() -> None:
+        if srv.proc is not None:
+            _terminate(srv.proc, 20)
+
+    def respawn() -> None:
+        stop()
+        srv.base, srv.proc = spawn()
 
     def prepare(rollout_id: str) -> None:
-        status, body, _ = _http("POST", base, "/api/rollouts", [{"rollout_id": rollout_id, "input": {}}])
+        status, body, _ = _http("POST", srv.base, "/api/rollouts", [{"rollout_id": rollout_id, "input": {}}], timeout=120)
         if status != 201:
             raise RuntimeError(f"agl: creating rollout {rollout_id} failed: {status} {body[:300]!r}")
 
-    return Server("agl", base, lambda rid: f"/proxy/rollout/{rid}/attempt/a%d/mode/train/openai/v1/chat/completions",
-                  "", proc, lambda: _terminate(proc, 20), streams=False, prepare=prepare)
+    srv.stop, srv.prepare, srv.respawn = stop, prepare, respawn
+    return srv
 
 
 # =============================================================================
@@ -321,6 +346,23 @@ def create_pg_database(admin_url: str) -> tuple[str, Callable[[], None]]:
 # =============================================================================
 
 
+def _cpu_busy(sample_s: float = 2.0) -> list[float]:
+    """Fraction of each CPU busy over `sample_s` (from /proc/stat), before we start anything."""
+    def read() -> list[tuple[int, int]]:
+        out = []
+        with open("/proc/stat") as f:
+            for line in f:
+                if line.startswith("cpu") and line[3].isdigit():
+                    v = [int(x) for x in line.split()[1:]]
+                    out.append((sum(v), v[3] + v[4]))  # total, idle + iowait
+        return out
+
+    a = read()
+    time.sleep(sample_s)
+    b = read()
+    return [1 - (bi[1] - ai[1]) / max(bi[0] - ai[0], 1) for ai, bi in zip(a, b, strict=True)]
+
+
 def _proc_tree_cpu(pid: int) -> float:
     """utime+stime (s) of a process and every live descendant (threads are included in each)."""
     tick = os.sysconf("SC_CLK_TCK")
@@ -344,6 +386,24 @@ def _proc_tree_cpu(pid: int) -> float:
         total += stats.get(p, 0.0)
         todo += children.get(p, [])
     return total
+
+
+def _wait_idle(pid: int, *, window_s: float = 0.3, busy: float = 0.1, timeout_s: float = 120.0) -> float:
+    """Wait until a server (and its children) uses less than `busy` of a core; seconds waited.
+
+    A server keeps working on the requests wrk abandoned when its run ended (LiteLLM's proxy
+    at concurrency 256 for many seconds): that work must neither land in the next target's
+    measurement (on the same pinned CPU) nor go missing from this one's CPU per request.
+    """
+    started = time.monotonic()
+    prev, t = _proc_tree_cpu(pid), started
+    while time.monotonic() - started < timeout_s:
+        time.sleep(window_s)
+        cur, now = _proc_tree_cpu(pid), time.monotonic()
+        if (cur - prev) / (now - t) < busy:
+            break
+        prev, t = cur, now
+    return time.monotonic() - started
 
 
 @dataclasses.dataclass
@@ -401,12 +461,13 @@ class Bench:
         self.lua = lua
         self.args = args
         self.pin = not args.no_pin
+        self.server_cpu, self.client_cpu = args.server_cpu, args.client_cpu
         self._seq = 0
 
     def _place_replica(self, direct: bool) -> None:
         # The server under test gets CPU 0: the replica when measured directly, else the proxy.
         if self.pin:
-            os.sched_setaffinity(self.replica_pid, {0} if direct else {1})
+            os.sched_setaffinity(self.replica_pid, {self.server_cpu if direct else self.client_cpu})
 
     def one(self, srv: Server, mode: str, conc: int, duration: int, *, collect: bool = False,
             tag: str = "m") -> dict[str, Any]:
@@ -420,14 +481,19 @@ class Bench:
         pid = srv.proc.pid if srv.proc is not None else self.replica_pid
         cpu0 = _proc_tree_cpu(pid)
         res = run_wrk(url, body, conc, duration, self.lua, path_fmt=fmt, collect=collect,
-                      cpu=1 if self.pin else None)
-        res["cpu_us"] = (_proc_tree_cpu(pid) - cpu0) / max(res["requests"], 1) * 1e6
+                      cpu=self.client_cpu if self.pin else None)
+        # CPU until the server is idle again (requests in flight when wrk stopped are
+        # finished too), per request sent.
+        res["drain_s"] = _wait_idle(pid)
+        res["cpu_us"] = (_proc_tree_cpu(pid) - cpu0) / max(res["sent"], 1) * 1e6
         if fmt is not None:
             srv.rollouts[rid] = res["sent"]
         return res
 
     def cell(self, srv: Server, mode: str, conc: int) -> Cell:
         self._place_replica(srv.name == "direct")
+        if srv.respawn is not None:
+            srv.respawn()
         if self.args.warmup > 0:
             self.one(srv, mode, conc, self.args.warmup, tag="w")
         r = self.one(srv, mode, conc, self.args.duration)
@@ -522,7 +588,13 @@ def _median(cells: list[Cell]) -> Cell:
 def _fmt_ratio(x: float | None) -> str:
     if x is None:
         return "–"
+    if x == float("inf"):
+        return "∞"
     return f"{x:.2f}" if x < 10 else f"{x:.0f}"
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b > 0 else float("inf")
 
 
 def report(runs: list[dict[tuple[str, int, str], Cell]], targets: list[str]) -> tuple[str, dict[tuple[str, int, str], Cell]]:
@@ -539,13 +611,18 @@ def report(runs: list[dict[tuple[str, int, str], Cell]], targets: list[str]) -> 
         lt = med.get((mode, conc, "litellm"))
         lo = min(r[(mode, conc, target)].rps for r in runs)
         hi = max(r[(mode, conc, target)].rps for r in runs)
-        add50 = "–" if d is None or target == "direct" else f"{c.p50_ms - d.p50_ms:+.2f}"
-        add99 = "–" if d is None or target == "direct" else f"{c.p99_ms - d.p99_ms:+.2f}"
-        x_lt = None if lt is None or target == "litellm" else c.rps / lt.rps
+        # A cell whose median run completed nothing has no latency to show (all still waiting).
+        none_done = c.rps == 0
+        add50 = "–" if d is None or target == "direct" or none_done else f"{c.p50_ms - d.p50_ms:+.2f}"
+        add99 = "–" if d is None or target == "direct" or none_done else f"{c.p99_ms - d.p99_ms:+.2f}"
+        x_lt = None if lt is None or target == "litellm" else _ratio(c.rps, lt.rps)
+        p50 = "–" if none_done else f"{c.p50_ms:.2f}"
+        p99 = "–" if none_done else f"{c.p99_ms:.2f}"
+        cpu = "–" if c.cpu_us is None or none_done else f"{c.cpu_us:,.0f}"
         lines.append(
             f"| {mode} | {conc} | {LABELS[target]} | {c.rps:,.0f} | {lo:,.0f}–{hi:,.0f} | "
-            f"{_fmt_ratio(None if d is None else c.rps / d.rps)} | {_fmt_ratio(x_lt)} | {c.p50_ms:.2f} | {add50} | "
-            f"{c.p99_ms:.2f} | {add99} | {'–' if c.cpu_us is None else f'{c.cpu_us:,.0f}'} | {c.errors} |"
+            f"{_fmt_ratio(None if d is None else _ratio(c.rps, d.rps))} | {_fmt_ratio(x_lt)} | {p50} | {add50} | "
+            f"{p99} | {add99} | {cpu} | {c.errors} |"
         )
     return "\n".join(lines), med
 
@@ -560,11 +637,11 @@ def evaluate(med: dict[tuple[str, int, str], Cell]) -> list[str]:
                        f"{'MET' if added <= 1.0 else 'NOT MET'}")
         s32, d32, l32 = (med.get((mode, 32, t)) for t in ("sqlite", "direct", "litellm"))
         if s32 and l32:
-            x = s32.rps / l32.rps
+            x = _ratio(s32.rps, l32.rps)
             out.append(f"- {mode}: throughput at concurrency 32 (SQLite) = {x:.1f}× LiteLLM's proxy (target >= 10×): "
                        f"{'MET' if x >= 10 else 'NOT MET'}")
         if s32 and d32:
-            x = s32.rps / d32.rps
+            x = _ratio(s32.rps, d32.rps)
             out.append(f"- {mode}: throughput at concurrency 32 (SQLite) = {x:.2f}× direct (target >= 0.3×): "
                        f"{'MET' if x >= 0.3 else 'NOT MET'}")
     return out
@@ -616,12 +693,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--litellm-venv", default=str(REPO_ROOT / ".venv-bench"))
     p.add_argument("--agl-venv", default=str(REPO_ROOT / ".venv-agl"))
     p.add_argument("--no-pin", action="store_true", help="do not pin the server under test and wrk to CPUs")
+    p.add_argument("--server-cpu", type=int, help="CPU for the server under test (default: the least busy one)")
+    p.add_argument("--client-cpu", type=int, help="CPU for wrk and the replica (default: another one)")
     p.add_argument("--out", help="also write the markdown report here")
     a = p.parse_args(argv)
     if shutil.which("wrk") is None:
         raise SystemExit("wrk not found: apt-get install -y wrk")
     if (os.cpu_count() or 1) < 2:
         a.no_pin = True
+    # The server under test gets the CPU that other work leaves freest (on a shared machine
+    # other processes may be pinned to one of them); wrk and the replica get the other.
+    busy = _cpu_busy()
+    a.server_cpu = min(range(len(busy)), key=lambda i: busy[i]) if a.server_cpu is None else a.server_cpu
+    a.client_cpu = next(i for i in range(len(busy)) if i != a.server_cpu) if a.client_cpu is None else a.client_cpu
     targets = [t for t in ALL_TARGETS if t in a.targets.split(",")]
     concs = [int(x) for x in a.concurrency.split(",")]
     modes = [m for m in ("non-stream", "stream") if m in a.modes.split(",")]
@@ -635,10 +719,11 @@ def main(argv: list[str] | None = None) -> int:
 
     started = datetime.datetime.now(datetime.UTC)
     header = [
-        f"# {started.isoformat(timespec='seconds')} on {_machine()}",
+        f"# {started.isoformat(timespec='seconds')} on {_machine()}; CPUs busy before the run: "
+        + ", ".join(f"cpu{i} {b:.0%}" for i, b in enumerate(busy)),
         f"# {_versions(a)}",
         f"# command: {' '.join(['.venv/bin/python -m bench.proxy_overhead', *(argv if argv is not None else sys.argv[1:])])}",
-        f"# wrk -t1 {'(CPU 1; server under test on CPU 0)' if not a.no_pin else '(unpinned)'}, "
+        f"# wrk -t1 {f'(CPU {a.client_cpu}; server under test on CPU {a.server_cpu})' if not a.no_pin else '(unpinned)'}, "
         f"{a.warmup} s warm-up + {a.duration} s per cell, {a.repeat} repeat(s), max_tokens={a.max_tokens}, "
         "streams one SSE event per write",
     ]
@@ -647,12 +732,12 @@ def main(argv: list[str] | None = None) -> int:
     lua = work / "post.lua"
     lua.write_text(_WRK_LUA)
     replica_url, stop_replica = start_instant_replica(model_name=MODEL, split_stream=True,
-                                                      cpus=None if a.no_pin else {1})
+                                                      cpus=None if a.no_pin else {a.client_cpu})
     replica_pid = _replica_pid(replica_url)
     servers: list[Server] = []
     drop_pg: Callable[[], None] | None = None
     verified_ok = True
-    pin_cpu = None if a.no_pin else 0
+    pin_cpu = None if a.no_pin else a.server_cpu
     try:
         for t in targets:
             if t == "direct":
@@ -695,7 +780,6 @@ def main(argv: list[str] | None = None) -> int:
                         headers_seen.append(h)
                         print(f"  rep {rep + 1} {mode:10s} c=1   {srv.name:8s} x-rolltap-overhead-ms p50 "
                               f"{h.ovh_p50:.3f} p99 {h.ovh_p99:.3f} (wrk p50 {h.p50_ms:.2f} ms)", flush=True)
-        table, med = report(runs, targets)
         # Stop the recording proxies (SIGTERM flushes the queue), then count what they wrote.
         checks: list[str] = []
         for srv in servers:
@@ -704,6 +788,12 @@ def main(argv: list[str] | None = None) -> int:
                 ok, msg = verify_records(srv)
                 verified_ok &= ok
                 checks.append(msg)
+                print(f"# recorded calls: {msg}", flush=True)
+        if a.out:
+            Path(a.out + ".json").write_text(json.dumps(
+                {"runs": [[dataclasses.asdict(c) for c in r.values()] for r in runs],
+                 "headers": [dataclasses.asdict(h) for h in headers_seen], "checks": checks}, indent=1))
+        table, med = report(runs, targets)
         ovh_lines = []
         for name in RECORDING:
             for mode in modes:

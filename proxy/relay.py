@@ -49,6 +49,16 @@ logger = logging.getLogger(__name__)
 
 _arrivals = itertools.count()
 _RETRY_STATUSES = (429, 503)
+_children: dict[tuple[object, ...], Any] = {}
+
+
+def _metric(metric: Any, *labels: str) -> Any:
+    """`metric.labels(*labels)`, looked up once per label set (`labels()` costs more than `inc()`)."""
+    key = (metric, *labels)
+    child = _children.get(key)
+    if child is None:
+        child = _children[key] = metric.labels(*labels)
+    return child
 
 
 @dataclass(slots=True)
@@ -309,10 +319,10 @@ class Relay:
         )
         if call.body:
             _fill_response(record, call)
-        metrics.REQUESTS.labels(call.route, record.status).inc()
-        metrics.REQUEST_SECONDS.labels(call.route).observe(ended - call.t0)
+        _metric(metrics.REQUESTS, call.route, record.status).inc()
+        _metric(metrics.REQUEST_SECONDS, call.route).observe(ended - call.t0)
         if call.t_first_byte is not None:
-            metrics.TTFB_SECONDS.labels(call.route).observe(call.t_first_byte - call.t0)
+            _metric(metrics.TTFB_SECONDS, call.route).observe(call.t_first_byte - call.t0)
         await self._recorder.submit(record)
 
 

@@ -1,39 +1,56 @@
-"""The whole loop on CPU, measured: agent -> proxy -> two vLLM replicas -> trainer -> weight push.
+"""The whole loop on CPU, measured: agent -> proxy -> vLLM replicas -> trainer -> weight push.
 
     .venv/bin/python -m scripts.learn [--steps 40] [--minutes 15] [--out docs/learning.md]
 
-A tiny model made on the spot learns `examples/letter_task.py` (write text full of the
-letter "e"). Per policy version the driver runs `groups` tasks x `group_size` attempts
-through the proxy with the plain `openai` SDK, then waits for the trainer (the real
-`rolltap-trainer run --config`, a separate process) to train on them and push the next
-LoRA version to both replicas. The reward curve and step timings are written to `--out`.
+By default a tiny model made on the spot learns `examples/letter_task.py` (write text full
+of the letter "e"). `--model-dir` serves and trains another local HF model directory
+instead (e.g. SmolLM2-135M-Instruct converted from its GGUF, see docs/learning-smollm2.md),
+and `--task arithmetic` asks single-turn "What is A + B? Answer with just the number."
+questions scored by `examples.agent.score` (1.0 when the first number in the reply is A+B).
+
+Per policy version the driver runs `groups` tasks x `group_size` attempts through the proxy
+with the plain `openai` SDK, then waits for the trainer (the real `rolltap-trainer run
+--config`, a separate process) to train on them and push the next LoRA version to the
+replicas. The reward curve, step time and its phases are written to `--out`.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import platform
+import random
+import re
+import shlex
 import shutil
 import statistics
+import struct
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
 from sqlalchemy import create_engine, select
 
+from examples.agent import Task as ArithmeticTask
+from examples.agent import score as arithmetic_score
 from examples.letter_task import LetterTask, run_attempt
 from shared.db.models import TrainingStep
-from tools.replica import start_replicas
+from tools.replica import VllmReplica, start_replicas
 from tools.tiny_model import build_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "learn-token"
 TOPICS = ["the sea", "trees", "a green field", "the weekend", "cheese", "three geese", "the street", "sleep"]
+PHASES = ("read_s", "update_s", "save_s", "push_s")
 
 TRAINER_CONFIG = """\
 [db]
@@ -52,10 +69,60 @@ admin_token = "{token}"
 mini_batch_size = {mini_batch}
 micro_batch_size = {micro_batch}
 lr = {lr}
-lora_rank = 8
-lora_alpha = 16
+lora_rank = {lora_rank}
+lora_alpha = {lora_alpha}
 kl_coef = 0.0
 """
+
+# The trainer's per-step log line (trainer/loop.py `_log_step`): the full step time and the
+# push time are only there, because the step is committed to the database before the push.
+STEP_LINE = re.compile(
+    r"step (\d+) \|.*\| ([\d.]+)s \(read ([\d.]+|-), update ([\d.]+|-), save ([\d.]+|-), push ([\d.]+|-)\)"
+)
+
+
+@dataclass
+class Attempt:
+    reward: float
+    reply: str | None = None
+    completion_tokens: int | None = None
+    truncated: bool | None = None
+
+
+@dataclass
+class Memory:
+    """Peak memory seen by a background sampler (every 2 s)."""
+
+    pids: dict[str, list[str]] = field(default_factory=dict)  # label -> `ps` selectors: "-g SID" or "-p PID"
+    peak_used_gb: float = 0.0
+    peak_rss_gb: dict[str, float] = field(default_factory=dict)
+    _stop: threading.Event = field(default_factory=threading.Event)
+
+    def sample(self) -> None:
+        info = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+        kb = {k: int(v.split()[0]) for k, v in info.items() if v.strip().endswith("kB")}
+        self.peak_used_gb = max(self.peak_used_gb, (kb["MemTotal"] - kb["MemAvailable"]) / 2**20)
+        for label, pgids in self.pids.items():
+            total = sum(_rss_kb(p) for p in pgids) / 2**20
+            self.peak_rss_gb[label] = max(self.peak_rss_gb.get(label, 0.0), total)
+
+    def start(self) -> None:
+        def loop() -> None:
+            while not self._stop.wait(2.0):
+                try:
+                    self.sample()
+                except (OSError, ValueError):
+                    pass
+
+        threading.Thread(target=loop, daemon=True).start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def _rss_kb(selector: str) -> int:
+    out = subprocess.run(["ps", "-o", "rss=", *selector.split()], capture_output=True, text=True).stdout
+    return sum(int(x) for x in out.split())
 
 
 def _wait(predicate: Any, timeout_s: float, what: str, proc: subprocess.Popen[bytes] | None = None) -> None:
@@ -80,28 +147,126 @@ def _ready(url: str) -> bool:
         return False
 
 
+def arithmetic_task(version: int, group: int, max_operand: int = 20) -> ArithmeticTask:
+    """The group's question: A and B in 1..max_operand, fixed by (version, group) so a run can be repeated."""
+    rng = random.Random(version * 1000 + group)
+    return ArithmeticTask(rng.randint(1, max_operand), rng.randint(1, max_operand))
+
+
+def arithmetic_attempt(proxy_url: str, rollout_id: str, attempt_id: str, task: ArithmeticTask, *,
+                       max_tokens: int, http: httpx.Client) -> Attempt:
+    """One single-turn attempt: ask, score with `examples.agent.score`, report the reward with `finish`."""
+    base_url = f"{proxy_url}/rollout/{rollout_id}/attempt/{attempt_id}/v1"
+    client = openai.OpenAI(base_url=base_url, api_key="none", max_retries=3, http_client=http)
+    out = client.chat.completions.create(model="policy", messages=[{"role": "user", "content": task.question}],
+                                         max_tokens=max_tokens, temperature=1.0)
+    reply = out.choices[0].message.content or ""
+    reward = arithmetic_score(task, reply)
+    http.post(f"{proxy_url}/rollout/{rollout_id}/attempt/{attempt_id}/finish",
+              json={"status": "succeeded", "reward": reward}).raise_for_status()
+    return Attempt(reward, reply, out.usage.completion_tokens if out.usage else None,
+                   out.choices[0].finish_reason == "length")
+
+
+def _safetensors_params(model_dir: Path) -> int | None:
+    """Parameter count from the safetensors headers (no torch needed)."""
+    total = 0
+    files = sorted(model_dir.glob("*.safetensors"))
+    for path in files:
+        with open(path, "rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(size))
+        for name, meta in header.items():
+            if name != "__metadata__":
+                n = 1
+                for d in meta["shape"]:
+                    n *= d
+                total += n
+    return total if files else None
+
+
+def _parse_trainer_log(path: Path) -> dict[int, dict[str, float]]:
+    def num(s: str) -> float | None:
+        return None if s == "-" else float(s)
+
+    steps: dict[int, dict[str, float]] = {}
+    for line in path.read_text(errors="replace").splitlines():
+        m = STEP_LINE.search(line)
+        if m:
+            values = dict(zip(("step_time_s", *PHASES), map(num, m.groups()[1:]), strict=True))
+            steps[int(m.group(1))] = {k: v for k, v in values.items() if v is not None}
+    return steps
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--minutes", type=float, default=15.0, help="time budget for the training part")
     parser.add_argument("--groups", type=int, default=4, help="tasks per step")
     parser.add_argument("--group-size", type=int, default=8, help="attempts per task (a GRPO group)")
-    parser.add_argument("--lr", type=float, default=1e-2)
+    parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--port", type=int, default=8010)
     parser.add_argument("--workdir", type=Path, default=ROOT / ".rolltap" / "learn")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "learning.md")
+    parser.add_argument("--model-dir", type=Path, default=None,
+                        help="a local HF model directory to serve and train (default: build the tiny model)")
+    parser.add_argument("--served-name", default=None, help="the base model's served name (default: tiny, "
+                        "or the model directory's name)")
+    parser.add_argument("--dtype", default="float32", help="vLLM's --dtype (the trainer always trains in fp32)")
+    parser.add_argument("--max-model-len", type=int, default=512)
+    parser.add_argument("--kv-cache-gb", type=int, default=None,
+                        help="VLLM_CPU_KVCACHE_SPACE per replica (default: tools.replica's, 1 GiB)")
+    parser.add_argument("--replicas", type=int, default=2)
+    parser.add_argument("--task", choices=("letter", "arithmetic"), default="letter")
+    parser.add_argument("--max-operand", type=int, default=20, help="arithmetic: A and B are drawn from 1..N")
+    parser.add_argument("--max-tokens", type=int, default=None,
+                        help="max_tokens per completion (default: 16 for letter, 24 for arithmetic)")
+    parser.add_argument("--lora-rank", type=int, default=8)
+    parser.add_argument("--lora-alpha", type=int, default=None, help="default: 2 x rank")
+    parser.add_argument("--mini-batch", type=int, default=None, help="PPO mini-batch rows (default: one step's "
+                        "rows, groups x group size: one optimizer step per policy version)")
+    parser.add_argument("--micro-batch", type=int, default=None, help="rows per forward/backward "
+                        "(default: half the mini-batch)")
+    parser.add_argument("--title", default="Learning on CPU, through the whole loop (scripts/learn.py)")
     args = parser.parse_args()
+    if args.lora_rank < 1:
+        parser.error("--lora-rank must be >= 1: the loop serves LoRA adapters")
+    args.lora_alpha = args.lora_alpha or 2 * args.lora_rank
+    args.max_tokens = args.max_tokens or (24 if args.task == "arithmetic" else 16)
+    args.mini_batch = args.mini_batch or args.groups * args.group_size
+    args.micro_batch = args.micro_batch or max(1, args.mini_batch // 2)
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     shutil.rmtree(args.workdir, ignore_errors=True)
     args.workdir.mkdir(parents=True)
-    model = build_tiny_model(ROOT / ".rolltap" / "models" / "tiny")
+    if args.model_dir is None:
+        model = build_tiny_model(ROOT / ".rolltap" / "models" / "tiny")
+        served_name = args.served_name or "tiny"
+    else:
+        model = args.model_dir.resolve()
+        if not (model / "config.json").is_file():
+            raise SystemExit(f"--model-dir {model}: no config.json (not a Hugging Face model directory)")
+        served_name = args.served_name or model.name
     db = f"sqlite:///{args.workdir / 'rolltap.db'}"
     proxy_url = f"http://127.0.0.1:{args.port}"
     bin_dir = Path(sys.executable).parent
-    print("starting two CPU vLLM replicas with runtime LoRA ...", flush=True)
-    replicas = start_replicas(2, model, served_model_name="tiny", enable_lora=True, timeout_s=900)
+    replica_kwargs: dict[str, Any] = {"served_model_name": served_name, "enable_lora": True}
+    if args.dtype != "float32":
+        replica_kwargs["dtype"] = args.dtype
+    if args.max_model_len != 512:
+        replica_kwargs["max_model_len"] = args.max_model_len
+    if args.kv_cache_gb is not None:
+        replica_kwargs["extra_env"] = {"VLLM_CPU_KVCACHE_SPACE": str(args.kv_cache_gb)}
+    if args.lora_rank > 8:  # tools.replica passes --max-lora-rank 8; the last flag wins
+        replica_kwargs["extra_args"] = ["--max-lora-rank", str(args.lora_rank)]
+    print(f"starting {args.replicas} CPU vLLM replica(s) with runtime LoRA ...", flush=True)
+    t = time.monotonic()
+    replicas: list[VllmReplica] = start_replicas(args.replicas, model, timeout_s=900, **replica_kwargs)
+    replica_start_s = time.monotonic() - t
+    print(f"replicas healthy after {replica_start_s:.0f}s", flush=True)
     procs: list[subprocess.Popen[bytes]] = []
+    memory = Memory(pids={"replicas": [f"-g {r.proc.pid}" for r in replicas if r.proc is not None]})
+    memory.start()
     try:
         env = {**os.environ, "ROLLTAP_PROXY__ADMIN_TOKEN": TOKEN, "ROLLTAP_PROXY__POOL__WEIGHT_MODE": "lora",
                "ROLLTAP_PROXY__RECORDER__SPOOL_DIR": str(args.workdir / "spool")}
@@ -112,16 +277,16 @@ def main() -> None:
         procs.append(subprocess.Popen(cmd, env=env, stdout=proxy_log, stderr=subprocess.STDOUT))
         _wait(lambda: _ready(proxy_url), 120, "the proxy", procs[-1])
 
-        mini_batch = args.groups * args.group_size
         config = args.workdir / "trainer.toml"
         config.write_text(TRAINER_CONFIG.format(
             db=db, model=model, ckpt=args.workdir / "checkpoints", steps=args.steps, group_size=args.group_size,
-            groups=args.groups, proxy=proxy_url, token=TOKEN, mini_batch=mini_batch, micro_batch=mini_batch // 2,
-            lr=args.lr))
+            groups=args.groups, proxy=proxy_url, token=TOKEN, mini_batch=args.mini_batch,
+            micro_batch=args.micro_batch, lr=args.lr, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha))
         trainer_log = open(args.workdir / "trainer.log", "wb")  # noqa: SIM115
         trainer = subprocess.Popen([str(bin_dir / "rolltap-trainer"), "run", "--config", str(config)],
                                    env=env, stdout=trainer_log, stderr=subprocess.STDOUT)
         procs.append(trainer)
+        memory.pids["trainer"] = [f"-p {trainer.pid}"]
 
         curve: list[dict[str, Any]] = []
         started = time.monotonic()
@@ -131,26 +296,48 @@ def main() -> None:
                 ThreadPoolExecutor(max_workers=16) as pool:
             while version < args.steps and time.monotonic() < deadline:
                 t = time.monotonic()
-                jobs = [(f"v{version}-t{g}", str(k), LetterTask("e", TOPICS[(version + g) % len(TOPICS)]))
+                if args.task == "letter":
+                    jobs: list[tuple[str, str, Any]] = [
+                        (f"v{version}-t{g}", str(k), LetterTask("e", TOPICS[(version + g) % len(TOPICS)]))
                         for g in range(args.groups) for k in range(args.group_size)]
-                rewards = list(pool.map(lambda j: run_attempt(proxy_url, j[0], j[1], j[2], http=http), jobs))
+                    attempts = [Attempt(r) for r in pool.map(
+                        lambda j: run_attempt(proxy_url, j[0], j[1], j[2], max_tokens=args.max_tokens, http=http),
+                        jobs)]
+                else:
+                    jobs = [(f"v{version}-t{g}", str(k), arithmetic_task(version, g, args.max_operand))
+                            for g in range(args.groups) for k in range(args.group_size)]
+                    attempts = list(pool.map(lambda j: arithmetic_attempt(
+                        proxy_url, j[0], j[1], j[2], max_tokens=args.max_tokens, http=http), jobs))
                 rollout_s = time.monotonic() - t
-                _wait(lambda: _active_version(proxy_url) > version, 600, "the trainer's next version", trainer)
-                curve.append({"version": version, "reward": statistics.fmean(rewards),
-                              "rollout_s": rollout_s, "cycle_s": time.monotonic() - t})
-                print(f"policy v{version}: mean reward {curve[-1]['reward']:.3f} "
-                      f"({len(rewards)} attempts, cycle {curve[-1]['cycle_s']:.1f}s)", flush=True)
+                _wait(lambda: _active_version(proxy_url) > version, 900, "the trainer's next version", trainer)
+                tokens = [a.completion_tokens for a in attempts if a.completion_tokens is not None]
+                truncated = [a.truncated for a in attempts if a.truncated is not None]
+                curve.append({
+                    "version": version, "reward": statistics.fmean(a.reward for a in attempts),
+                    "rollout_s": rollout_s, "cycle_s": time.monotonic() - t,
+                    "completion_tokens": statistics.fmean(tokens) if tokens else None,
+                    "truncated": statistics.fmean(truncated) if truncated else None,
+                    "examples": [(str(jobs[i][2]), a.reply, a.reward) for i, a in enumerate(attempts)
+                                 if a.reply is not None][:: args.group_size][:4],
+                })
+                print(f"policy v{version}: mean reward {curve[-1]['reward']:.3f} ({len(attempts)} attempts, "
+                      f"rollout {rollout_s:.1f}s, cycle {curve[-1]['cycle_s']:.1f}s)", flush=True)
                 version = _active_version(proxy_url)
         elapsed_min = (time.monotonic() - started) / 60
         trainer.terminate()
         trainer.wait(timeout=120)
-        engine = create_engine(db.replace("sqlite:///", "sqlite:///"))
+        engine = create_engine(db)
         with engine.connect() as conn:
             steps = [(int(step), metrics) for step, metrics in conn.execute(
                 select(TrainingStep.step, TrainingStep.metrics).order_by(TrainingStep.step)).all()]
         engine.dispose()
-        _write_report(args, curve, steps, elapsed_min)
+        logged = _parse_trainer_log(args.workdir / "trainer.log")
+        memory.stop()
+        (args.workdir / "curve.json").write_text(json.dumps(
+            {"curve": curve, "steps": steps, "logged": logged}, indent=1, default=str))
+        _write_report(args, model, served_name, curve, steps, logged, elapsed_min, replica_start_s, memory)
     finally:
+        memory.stop()
         for proc in procs:
             if proc.poll() is None:
                 proc.terminate()
@@ -162,43 +349,154 @@ def main() -> None:
             r.stop()
 
 
-def _write_report(args: argparse.Namespace, curve: list[dict[str, Any]], steps: list[tuple[int, Any]],
-                  elapsed_min: float) -> None:
+def _machine() -> str:
+    cpu = "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+        mem_kb = int(Path("/proc/meminfo").read_text().split()[1])
+    except (OSError, ValueError, IndexError):
+        mem_kb = 0
+    return f"{os.cpu_count()} cores ({cpu}), {mem_kb / 2**20:.0f} GiB RAM, no GPU, {platform.python_version()}"
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def _fmt(value: Any, fmt: str = ".2f") -> str:
+    return format(value, fmt) if isinstance(value, (int, float)) else "-"
+
+
+def _write_report(args: argparse.Namespace, model: Path, served_name: str, curve: list[dict[str, Any]],
+                  steps: list[tuple[int, Any]], logged: dict[int, dict[str, float]], elapsed_min: float,
+                  replica_start_s: float, memory: Memory) -> None:
+    if not curve:
+        raise SystemExit("no policy version finished within the time budget: nothing to report")
     rewards = [c["reward"] for c in curve]
     first5, last5 = statistics.fmean(rewards[:5]), statistics.fmean(rewards[-5:])
-    passed = last5 >= 2 * first5 or last5 > 0.9
+    # The database's `step_time_s` is the update's own clock (set before the commit); the step's is in the log.
+    by_step = {step: {k: v for k, v in (m or {}).items() if k != "step_time_s"} for step, m in steps}
+    for step, values in logged.items():  # the log has the whole step (and the push); the database the rest
+        by_step.setdefault(step, {}).update(values)
+    tiny = args.model_dir is None
+    params = _safetensors_params(model)
+    if tiny:
+        model_text = "a tiny Qwen2 made on the spot (347K parameters)"
+    else:
+        arch = json.loads((model / "config.json").read_text()).get("architectures", ["?"])[0]
+        model_text = (f"`{model.relative_to(ROOT) if model.is_relative_to(ROOT) else model}` ({arch}, "
+                      f"{_fmt(params / 1e6 if params else None, '.1f')}M parameters, served as `{served_name}`)")
+    task_text = ("`examples/letter_task.py` (write text full of the letter \"e\"; reward: the share of \"e\")"
+                 if args.task == "letter" else
+                 "single-turn arithmetic (\"What is A + B? Answer with just the number.\", A and B random in "
+                 f"1..{args.max_operand} per group; reward `examples.agent.score`: 1.0 when the first number in the "
+                 "reply is A+B)")
     lines = [
-        "# Learning on CPU, through the whole loop (scripts/learn.py)",
+        f"# {args.title}",
         "",
-        f"Run {datetime.now(UTC):%Y-%m-%d %H:%M} UTC on the 2-core, no-GPU machine: a tiny Qwen2 made on the spot "
-        "(347K parameters), two CPU vLLM replicas with runtime LoRA, the proxy on SQLite, the trainer "
-        "(`rolltap-trainer run --config`, verl GRPO with LoRA rank 8) and the agent "
-        "(`examples/letter_task.py`, plain `openai` SDK).",
-        f"Command: `.venv/bin/python -m scripts.learn --steps {args.steps} --minutes {args.minutes:g} "
-        f"--groups {args.groups} --group-size {args.group_size} --lr {args.lr:g}`",
+        f"Run {datetime.now(UTC):%Y-%m-%d %H:%M} UTC on the {os.cpu_count()}-core, no-GPU machine: {model_text}, "
+        f"{args.replicas} CPU vLLM replica{'s' if args.replicas != 1 else ''} with runtime LoRA "
+        f"(`--dtype {args.dtype} --max-model-len {args.max_model_len}`"
+        f"{f', VLLM_CPU_KVCACHE_SPACE={args.kv_cache_gb}' if args.kv_cache_gb is not None else ''}), the proxy on "
+        f"SQLite, the trainer (`rolltap-trainer run --config`, verl GRPO with LoRA rank {args.lora_rank}) and the "
+        f"agent ({task_text}, plain `openai` SDK).",
+        f"Command: `.venv/bin/python -m scripts.learn {shlex.join(sys.argv[1:])}`",
         "",
+        f"- machine: {_machine()}",
+        f"- settings: {args.groups} groups x {args.group_size} attempts per policy version, max_tokens "
+        f"{args.max_tokens}, temperature 1.0; trainer lr {args.lr:g}, LoRA rank {args.lora_rank} alpha "
+        f"{args.lora_alpha} (all linear layers), mini-batch {args.mini_batch}, micro-batch {args.micro_batch}, "
+        f"fp32, kl_coef 0, max_staleness 1",
+        f"- replicas healthy after {replica_start_s:.0f} s (not counted below)",
         f"- policy versions trained and served: {len(curve)} in {elapsed_min:.1f} min",
         f"- mean reward, first five versions: {first5:.3f}; last five: {last5:.3f} "
         f"(x{last5 / first5 if first5 else float('inf'):.2f})",
-        f"- target (last five >= 2x first five, or > 0.9, within 15 min): **{'met' if passed else 'NOT met'}**",
-        "",
-        "| policy version | mean reward of its attempts | rollout s | cycle s | trainer step | loss | grad norm | "
-        "update s | push s |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    by_step = dict(steps)
+    if tiny and args.task == "letter":
+        passed = last5 >= 2 * first5 or last5 > 0.9
+        lines.append(f"- target (last five >= 2x first five, or > 0.9, within 15 min): "
+                     f"**{'met' if passed else 'NOT met'}**")
+    if memory.peak_rss_gb:
+        rss = ", ".join(f"{k} {v:.1f} GiB" for k, v in memory.peak_rss_gb.items())
+        lines.append(f"- peak memory: machine in use {memory.peak_used_gb:.1f} GiB (all processes); "
+                     f"peak RSS {rss} (RSS counts shared pages once per process)")
+
+    # Step time and its phases. Version 0's rollouts run while the trainer starts (model load), so
+    # its cycle and step 1 are a warm-up: the summary is over the later, steady steps.
+    rows = [(c, by_step.get(c["version"] + 1, {})) for c in curve]
+    rows = [(c, m) for c, m in rows if "step_time_s" in m]
+    steady = [(c, m) for c, m in rows if c["version"] >= 1] or rows
+    lines += ["", "## Step time and its phases", ""]
+    if steady:
+        step_times = [m["step_time_s"] for _, m in steady]
+        total = sum(step_times)
+        share = {k: sum(m.get(k, 0.0) for _, m in steady) / total for k in PHASES}
+        rollout_share = sum(c["rollout_s"] for c, _ in steady) / total
+        med = {k: _median([m[k] for _, m in steady if k in m]) for k in PHASES}
+        other = 1 - sum(share.values())
+        lines += [
+            f"Over {len(steady)} trainer steps ({steady[0][0]['version'] + 1}..{steady[-1][0]['version'] + 1}; "
+            f"{'step 1 overlaps the trainer start-up and is left out' if steady is not rows else 'all'}): step "
+            f"time (end of one step to the end of the next, push included) median "
+            f"**{statistics.median(step_times):.1f} s** (min {min(step_times):.1f}, max {max(step_times):.1f}); "
+            f"the driver's cycle (rollouts, then waiting for the next version) median "
+            f"{statistics.median(c['cycle_s'] for c, _ in steady):.1f} s.",
+            "",
+            "| phase | median s | share of step time |",
+            "|---|---:|---:|",
+            f"| read: waiting for the version's groups, then reading them | {_fmt(med['read_s'])} | "
+            f"{share['read_s']:.0%} |",
+            f"| - of which the driver's rollouts (all attempts of the version, through the proxy) | "
+            f"{_fmt(_median([c['rollout_s'] for c, _ in steady]))} | {rollout_share:.0%} |",
+            f"| update: old logprobs, GRPO advantages, PPO loss, backward, AdamW | {_fmt(med['update_s'])} | "
+            f"{share['update_s']:.0%} |",
+            f"| save: checkpoint + LoRA export | {_fmt(med['save_s'])} | {share['save_s']:.0%} |",
+            f"| push: LoRA load on the replicas, proxy switch | {_fmt(med['push_s'])} | {share['push_s']:.0%} |",
+            f"| other (batch building, commit) | | {other:.0%} |",
+            "",
+            "A trainer step starts when the previous one has pushed; the driver sees the new version (polling "
+            "every 0.2 s) and starts that version's rollouts, so `read` holds the rollouts plus the poll delay.",
+        ]
+        if rows and rows[0][0]["version"] == 0 and len(rows) > 1:
+            c0, m0 = rows[0]
+            lines += ["", f"Warm-up: version 0's cycle took {c0['cycle_s']:.1f} s (rollouts {c0['rollout_s']:.1f} s, "
+                      f"while the trainer started); trainer step 1: {_fmt(m0.get('step_time_s'), '.1f')} s, of "
+                      f"which update {_fmt(m0.get('update_s'), '.1f')} s."]
+    else:
+        lines.append("No trainer step lines were found in the trainer log.")
+
+    lines += [
+        "",
+        "## Reward curve and per-step phases",
+        "",
+        "| policy version | mean reward | | rollout s | reply tokens | cut at max_tokens | cycle s | trainer step | "
+        "loss | grad norm | read s | update s | save s | push s | step s |",
+        "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for c in curve:
         m = by_step.get(c["version"] + 1) or {}
-
-        def f(key: str, fmt: str = ".3f", m: dict[str, Any] = m) -> str:
-            value = m.get(key)
-            return format(value, fmt) if isinstance(value, (int, float)) else "-"
-
-        lines.append(f"| {c['version']} | {c['reward']:.3f} | {c['rollout_s']:.1f} | {c['cycle_s']:.1f} | "
-                     f"{c['version'] + 1} | {f('loss', '.4f')} | {f('grad_norm')} | {f('update_s', '.2f')} | "
-                     f"{f('push_s', '.2f')} |")
+        bar = "#" * round(c["reward"] * 20)
+        lines.append(
+            f"| {c['version']} | {c['reward']:.3f} | `{bar:<20}` | {c['rollout_s']:.1f} | "
+            f"{_fmt(c.get('completion_tokens'), '.1f')} | {_fmt(c.get('truncated'), '.0%')} | {c['cycle_s']:.1f} | "
+            f"{c['version'] + 1} | {_fmt(m.get('loss'), '.4f')} | {_fmt(m.get('grad_norm'), '.3f')} | "
+            f"{_fmt(m.get('read_s'))} | {_fmt(m.get('update_s'))} | {_fmt(m.get('save_s'))} | "
+            f"{_fmt(m.get('push_s'))} | {_fmt(m.get('step_time_s'))} |")
+    examples = [(c["version"], e) for c in (curve[:1] + curve[-1:]) for e in c.get("examples", [])]
+    if examples:
+        lines += ["", "## Sample replies (first attempt of each of the first groups; first and last version)", ""]
+        seen: set[tuple[int, str]] = set()
+        for v, (task, reply, reward) in examples:
+            if (v, task + (reply or "")) in seen:
+                continue
+            seen.add((v, task + (reply or "")))
+            lines.append(f"- v{v}, {task}, reward {reward:.0f}: {json.dumps(reply)}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("\n".join(lines) + "\n")
-    print("\n".join(lines[:9]))
+    print("\n".join(lines[:14]))
 
 
 if __name__ == "__main__":
