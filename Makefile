@@ -11,7 +11,7 @@ export HF_HUB_DISABLE_UPDATE_CHECK := 1
 export LITELLM_LOCAL_MODEL_COST_MAP := True
 export WANDB_MODE := disabled
 
-.PHONY: install demo test bench clean
+.PHONY: install demo demo-record learn test bench clean
 
 install: $(VENV)/.installed $(VLLM_VENV)/.installed
 
@@ -33,8 +33,18 @@ $(VLLM_VENV)/.installed:
 	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 	touch $@
 
+# The main job: the whole loop on CPU (agent -> proxy on SQLite -> two CPU vLLM replicas ->
+# trainer -> LoRA push), a few minutes; prints the reward of each policy version.
 demo: install
+	$(VENV)/bin/python -m scripts.learn --steps 20 --minutes 6 --out .rolltap/demo-learning.md
+
+# Just the recording side: one replica, the proxy, an agent; prints what was recorded.
+demo-record: install
 	$(VENV)/bin/python -m scripts.demo
+
+# The full learning measurement written to docs/learning.md (up to 15 minutes).
+learn: install
+	$(VENV)/bin/python -m scripts.learn --minutes 15
 
 test: install
 	$(VENV)/bin/python -m pytest
