@@ -46,6 +46,7 @@ def _chat(http: httpx.Client, base: str, content: str, max_tokens: int = 4) -> h
     return http.post(f"{base}/chat/completions", json=body)
 
 
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)  # placement does not depend on the backend
 def test_200_rollouts_stick_and_balance(vllm_replica: Any, second_replica: VllmReplica,
                                         proxy_for: ProxyFactory) -> None:
     replicas = [vllm_replica.url, second_replica.url]
