@@ -200,11 +200,11 @@ def _parse_trainer_log(path: Path) -> dict[int, dict[str, float]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--minutes", type=float, default=15.0, help="time budget for the training part")
     parser.add_argument("--groups", type=int, default=4, help="tasks per step")
     parser.add_argument("--group-size", type=int, default=8, help="attempts per task (a GRPO group)")
-    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--lr", type=float, default=1e-2)
     parser.add_argument("--port", type=int, default=8010)
     parser.add_argument("--workdir", type=Path, default=ROOT / ".rolltap" / "learn")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "learning.md")
@@ -359,7 +359,7 @@ def _machine() -> str:
         mem_kb = int(Path("/proc/meminfo").read_text().split()[1])
     except (OSError, ValueError, IndexError):
         mem_kb = 0
-    return f"{os.cpu_count()} cores ({cpu}), {mem_kb / 2**20:.0f} GiB RAM, no GPU, {platform.python_version()}"
+    return f"{os.cpu_count()} cores ({cpu}), {mem_kb / 2**20:.0f} GiB RAM, no GPU, Python {platform.python_version()}"
 
 
 def _median(values: list[float]) -> float | None:
