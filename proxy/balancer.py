@@ -12,8 +12,9 @@ Policies (`proxy.pool.policy`):
 - `least_outstanding`: per call, the least-loaded replica.
 - `round_robin`: per call, in turn.
 - `consistent_hash`: rollout id on a hash ring (64 virtual nodes per replica).
-Load = max(calls this proxy has in flight there, the replica's running + waiting requests)
-+ its KV-cache use (0..1); the replica's own numbers also count other proxies' calls.
+Load = the calls this proxy has in flight there; ties go to the replica whose own
+`/metrics` show fewer running + waiting requests and less KV-cache use (they also count
+other proxies' calls, but lag by vLLM's stats interval), then to fewer bound rollouts.
 """
 
 from __future__ import annotations
@@ -137,9 +138,16 @@ class Balancer:
             return candidates[next(self._turn) % len(candidates)]
         return self._least_loaded(candidates)
 
+    @staticmethod
+    def _rank(r: ReplicaState) -> tuple[int, float, int]:
+        # This proxy's own in-flight count first: exact and immediate. vLLM's gauges lag by
+        # its stats interval (seconds); as the primary signal they steered whole bursts of new
+        # rollouts to one replica, and stickiness kept them there. They break ties instead.
+        return (r.in_flight, r.running + r.waiting + r.kv_usage, r.rollouts)
+
     def _least_loaded(self, candidates: list[ReplicaState]) -> ReplicaState:
-        low = min((r.load, r.rollouts) for r in candidates)
-        best = [r for r in candidates if (r.load, r.rollouts) == low]
+        low = min(self._rank(r) for r in candidates)
+        best = [r for r in candidates if self._rank(r) == low]
         return best[next(self._turn) % len(best)]
 
     def _sticky_pick(self, rollout_id: str, attempt_id: str | None, candidates: list[ReplicaState]) -> ReplicaState:
