@@ -7,12 +7,13 @@ passive marks from the relay (connection errors eject at once, repeated 5xx afte
 
 Policies (`proxy.pool.policy`):
 - `sticky_least_loaded` (default): a rollout's first call goes to the healthy replica with
-  the least load (fewest bound rollouts breaking ties), and the rollout stays there while
-  it has unfinished attempts and is not idle, so multi-turn prefixes hit one prefix cache.
+  the fewest rollouts bound to it (then the fewest calls in flight, then the lowest replica
+  gauges), and the rollout stays there while it has unfinished attempts and is not idle,
+  so multi-turn prefixes hit one prefix cache.
 - `least_outstanding`: per call, the least-loaded replica.
 - `round_robin`: per call, in turn.
 - `consistent_hash`: rollout id on a hash ring (64 virtual nodes per replica).
-Load = the calls this proxy has in flight there; ties go to the replica whose own
+Per-call load = the calls this proxy has in flight there; ties go to the replica whose own
 `/metrics` show fewer running + waiting requests and less KV-cache use (they also count
 other proxies' calls, but lag by vLLM's stats interval), then to fewer bound rollouts.
 """
@@ -139,15 +140,22 @@ class Balancer:
         return self._least_loaded(candidates)
 
     @staticmethod
-    def _rank(r: ReplicaState) -> tuple[int, float, int]:
+    def _call_rank(r: ReplicaState) -> tuple[int, float, int]:
         # This proxy's own in-flight count first: exact and immediate. vLLM's gauges lag by
-        # its stats interval (seconds); as the primary signal they steered whole bursts of new
-        # rollouts to one replica, and stickiness kept them there. They break ties instead.
+        # its stats interval (seconds), so they only break ties.
         return (r.in_flight, r.running + r.waiting + r.kv_usage, r.rollouts)
 
-    def _least_loaded(self, candidates: list[ReplicaState]) -> ReplicaState:
-        low = min(self._rank(r) for r in candidates)
-        best = [r for r in candidates if self._rank(r) == low]
+    @staticmethod
+    def _rollout_rank(r: ReplicaState) -> tuple[int, int, float]:
+        # A new rollout goes where the fewest rollouts are bound. By calls in flight alone,
+        # agents drift to whichever replica answers a little faster (a batching server barely
+        # slows as it fills), and stickiness turns the drift into one replica holding them all.
+        return (r.rollouts, r.in_flight, r.running + r.waiting + r.kv_usage)
+
+    def _least_loaded(self, candidates: list[ReplicaState], *, for_rollout: bool = False) -> ReplicaState:
+        rank = self._rollout_rank if for_rollout else self._call_rank
+        low = min(rank(r) for r in candidates)
+        best = [r for r in candidates if rank(r) == low]
         return best[next(self._turn) % len(best)]
 
     def _sticky_pick(self, rollout_id: str, attempt_id: str | None, candidates: list[ReplicaState]) -> ReplicaState:
@@ -160,7 +168,7 @@ class Balancer:
             return binding.replica
         if binding is not None:  # its replica left, drains or failed: move the rollout
             binding.replica.rollouts -= 1
-        replica = self._least_loaded(candidates)
+        replica = self._least_loaded(candidates, for_rollout=True)
         replica.rollouts += 1
         self._sticky[rollout_id] = _Binding(replica, now, {attempt_id} if attempt_id else set())
         return replica
