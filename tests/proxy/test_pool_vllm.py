@@ -35,7 +35,10 @@ def warm_up(url: str) -> None:
 
 @pytest.fixture(scope="module")
 def second_replica(tiny_model_dir: Path, vllm_replica: Any) -> Iterator[VllmReplica]:
-    with VllmReplica(tiny_model_dir, served_model_name="tiny") as replica:
+    # vLLM's CPU build binds its OpenMP threads to core 0 by default; two engines spinning on
+    # one core starve each other unevenly (one replica served 2-20x the other). Core 1 here.
+    with VllmReplica(tiny_model_dir, served_model_name="tiny",
+                     extra_env={"VLLM_CPU_OMP_THREADS_BIND": "1"}) as replica:
         warm_up(replica.url)
         warm_up(vllm_replica.url)
         yield replica
@@ -134,7 +137,8 @@ def test_replica_killed_under_load(vllm_replica: Any, second_replica: VllmReplic
             assert any(s > killed_at[0] for s, _, _ in outcomes)
 
             # Bring it back on the same port: the probes re-admit it, and it takes new rollouts again.
-            revived = VllmReplica(tiny_model_dir, served_model_name="tiny", port=victim.port)
+            revived = VllmReplica(tiny_model_dir, served_model_name="tiny", port=victim.port,
+                                  extra_env={"VLLM_CPU_OMP_THREADS_BIND": "1"})
             revived.start()
             second_replica.proc = revived.proc  # the module fixture stops it at the end
             revived.wait_healthy(600)
