@@ -91,7 +91,7 @@ def test_replica_killed_under_load(vllm_replica: Any, second_replica: VllmReplic
                     rollout = f"kill-{n}-{i}"
                     started = time.monotonic()
                     body = {"model": "m", "messages": [{"role": "user", "content": "tell a long story"}],
-                            "max_tokens": 96, "ignore_eos": True, "stream": True}
+                            "max_tokens": 400, "ignore_eos": True, "stream": True}
                     with http.stream("POST", f"{proxy.base_url(rollout, '0')}/chat/completions", json=body) as r:
                         text = r.read().decode() if r.status_code == 200 else ""
                         if r.status_code != 200:
