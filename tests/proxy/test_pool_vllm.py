@@ -7,7 +7,7 @@ import signal
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -42,6 +42,13 @@ def second_replica(tiny_model_dir: Path, vllm_replica: Any) -> Iterator[VllmRepl
         warm_up(replica.url)
         warm_up(vllm_replica.url)
         yield replica
+
+
+def _wait_for(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
 
 
 def _chat(http: httpx.Client, base: str, content: str, max_tokens: int = 4) -> httpx.Response:
@@ -104,10 +111,20 @@ def test_replica_killed_under_load(vllm_replica: Any, second_replica: VllmReplic
                         outcomes.append((started, rollout, outcome))
                     i += 1
 
-        threads = [threading.Thread(target=agent, args=(n,)) for n in range(12)]
-        for t in threads:
-            t.start()
-        time.sleep(3.0)
+        def pool_view(http: httpx.Client) -> dict[str, Any]:
+            return {r["url"]: r for r in http.get(f"{proxy.url}/admin/replicas", headers=AUTH).json()["data"]}
+
+        with httpx.Client(timeout=60) as http:
+            # Both replicas must be in the pool before the agents start: with one still unprobed,
+            # every first rollout binds to the other and the victim may serve nothing before the kill.
+            _wait_for(lambda: all(r["healthy"] for r in pool_view(http).values()), 30, "both replicas healthy")
+            threads = [threading.Thread(target=agent, args=(n,)) for n in range(12)]
+            for t in threads:
+                t.start()
+            # Kill only while streams run there: 400-token streams last seconds on this machine, so
+            # one second after the victim holds calls, they are past their first byte.
+            _wait_for(lambda: pool_view(http)[victim.url]["in_flight"] >= 3, 60, "streams on the victim")
+            time.sleep(1.0)
         assert victim.proc is not None
         os.killpg(victim.proc.pid, signal.SIGKILL)  # a crash, not a shutdown
         killed_at.append(time.monotonic())
