@@ -4,7 +4,11 @@ One run starts an instant replica (``bench.instant_replica``: canned vLLM-shaped
 completions, streams sent one SSE event per write) and measures, at each concurrency,
 streamed and not, chat completions of 16 tokens:
 
-* ``direct``   -- wrk -> replica: the floor;
+* ``direct``   -- wrk -> replica: the replica alone;
+* ``floor``    -- wrk -> the same canned answers from a raw ASGI app under uvicorn (uvloop +
+  httptools; ``bench.instant_replica --impl asgi``), pinned like a proxy: no upstream hop, no
+  recording, no routing. It is the most any server on the contract's stack (an ASGI app under
+  uvicorn) can do here, so it bounds every "× direct" a uvicorn-served proxy can reach;
 * ``sqlite``   -- wrk -> ``rolltap-proxy`` (the real CLI, a subprocess) recording to SQLite;
 * ``postgres`` -- the same, recording to PostgreSQL (a fresh database, dropped afterwards);
 * ``litellm``  -- wrk -> LiteLLM's proxy server (``litellm --config cfg.yaml``, one worker),
@@ -73,9 +77,10 @@ from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 MODEL = "tiny"
-ALL_TARGETS = ("direct", "sqlite", "postgres", "litellm", "agl")
+ALL_TARGETS = ("direct", "floor", "sqlite", "postgres", "litellm", "agl")
 LABELS = {
     "direct": "direct",
+    "floor": "uvicorn floor (no proxying)",
     "sqlite": "Rolltap, SQLite",
     "postgres": "Rolltap, PostgreSQL",
     "litellm": "LiteLLM proxy",
@@ -157,6 +162,7 @@ class Server:
     db_url: str | None = None
     prepare: Callable[[str], None] | None = None  # called with each new rollout id before its wrk run
     respawn: Callable[[], None] | None = None  # restart before each cell (Agent Lightning)
+    cpu_pid: int | None = None  # the process whose CPU is counted, when `proc` is not it
     rollouts: dict[str, int] = dataclasses.field(default_factory=dict)  # rollout id -> requests sent
 
 
@@ -478,7 +484,7 @@ class Bench:
         fmt = srv.path_fmt(rid)
         url = srv.base + (srv.static_path if fmt is None else "/")
         body = request_body(mode == "stream", self.args.max_tokens)
-        pid = srv.proc.pid if srv.proc is not None else self.replica_pid
+        pid = srv.cpu_pid or (srv.proc.pid if srv.proc is not None else self.replica_pid)
         cpu0 = _proc_tree_cpu(pid)
         res = run_wrk(url, body, conc, duration, self.lua, path_fmt=fmt, collect=collect,
                       cpu=self.client_cpu if self.pin else None)
@@ -644,6 +650,11 @@ def evaluate(med: dict[tuple[str, int, str], Cell]) -> list[str]:
             x = _ratio(s32.rps, d32.rps)
             out.append(f"- {mode}: throughput at concurrency 32 (SQLite) = {x:.2f}× direct (target >= 0.3×): "
                        f"{'MET' if x >= 0.3 else 'NOT MET'}")
+        f32 = med.get((mode, 32, "floor"))
+        if f32 and d32:
+            out.append(f"- {mode}: the uvicorn floor (an ASGI app answering from memory, no proxying) reaches "
+                       f"{_ratio(f32.rps, d32.rps):.2f}× direct at concurrency 32"
+                       + (f"; Rolltap reaches {_ratio(s32.rps, f32.rps):.2f}× of that floor" if s32 else ""))
     return out
 
 
@@ -733,7 +744,7 @@ def main(argv: list[str] | None = None) -> int:
     lua.write_text(_WRK_LUA)
     replica_url, stop_replica = start_instant_replica(model_name=MODEL, split_stream=True,
                                                       cpus=None if a.no_pin else {a.client_cpu})
-    replica_pid = _replica_pid(replica_url)
+    replica_pid = _replica_pid("protocol")
     servers: list[Server] = []
     drop_pg: Callable[[], None] | None = None
     verified_ok = True
@@ -743,6 +754,11 @@ def main(argv: list[str] | None = None) -> int:
             if t == "direct":
                 servers.append(Server("direct", replica_url, lambda rid: None, "/v1/chat/completions", None,
                                       lambda: None))
+            elif t == "floor":
+                floor_url, stop_floor = start_instant_replica(model_name=MODEL, split_stream=True, impl="asgi",
+                                                              cpus=None if pin_cpu is None else {pin_cpu})
+                servers.append(Server("floor", floor_url, lambda rid: None, "/v1/chat/completions", None,
+                                      stop_floor, cpu_pid=_replica_pid("asgi")))
             elif t == "sqlite":
                 servers.append(start_rolltap("sqlite", replica_url, f"sqlite:///{work / 'rolltap.db'}", work, pin_cpu))
             elif t == "postgres":
@@ -838,9 +854,8 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _replica_pid(url: str) -> int:
-    """The instant replica's pid: the process listening on its port (it runs as our child)."""
-    port = int(url.rsplit(":", 1)[1])
+def _replica_pid(impl: str) -> int:
+    """The pid of our instant-replica child of this implementation (there is one of each at most)."""
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -851,9 +866,10 @@ def _replica_pid(url: str) -> int:
                 ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
         except OSError:
             continue
-        if ppid == os.getpid() and any(part.endswith(b"instant_replica.py") for part in cmdline):
+        if (ppid == os.getpid() and any(part.endswith(b"instant_replica.py") for part in cmdline)
+                and cmdline[cmdline.index(b"--impl") + 1] == impl.encode()):
             return int(entry)
-    raise RuntimeError(f"instant replica for port {port} not found")
+    raise RuntimeError(f"instant replica ({impl}) not found")
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ from proxy.recorder import Recorder
 from proxy.relay import Relay
 from proxy.routes import admin, health, lifecycle
 from proxy.routes.relayed import match_relayed_post, relay_post, relayed_routes
+from proxy.tracing import load_tracing
 from proxy.upstream import Upstream
 from shared.db.engine import create_async_db, create_sync_db, is_sqlite
 from shared.db.migrate import upgrade
@@ -118,6 +119,7 @@ def create_app(settings: Settings) -> ProxyApp:
         balancer = Balancer(settings.proxy.replicas, upstream, settings.proxy.pool, settings.proxy.health_interval_s)
         admission = Admission(settings.proxy.pool.pause_wait_s)
         hosted = load_hosted(settings.proxy.litellm_config)
+        tracing = load_tracing(settings.proxy.tracing)
         recorder = Recorder(settings.proxy.recorder, writer, writer_sync)
         policy = ActivePolicy()
         app.state.settings = settings
@@ -127,7 +129,7 @@ def create_app(settings: Settings) -> ProxyApp:
         app.state.policy = policy
         app.state.admission = admission
         app.state.relay = Relay(settings.proxy, upstream, balancer, policy, recorder, admission, hosted,
-                                on_policy_unknown=lambda: _resolve_policy(app))
+                                on_policy_unknown=lambda: _resolve_policy(app), tracing=tracing)
         await recorder.start()
         await balancer.start()
         await balancer.wait_first_probe(timeout_s=10.0)
@@ -142,6 +144,8 @@ def create_app(settings: Settings) -> ProxyApp:
             await recorder.stop(settings.proxy.shutdown_timeout_s)
             await upstream.close()
             await asyncio.gather(writer.dispose(), reader.dispose())
+            if tracing is not None:
+                await anyio.to_thread.run_sync(tracing.shutdown)  # flushes the spans still queued
             logger.info("proxy stopped; %d records written", recorder.written_total)
 
     app = ProxyApp(title="Rolltap proxy", version="1", lifespan=lifespan, routes=relayed_routes())

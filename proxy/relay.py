@@ -41,7 +41,10 @@ from shared.settings import ProxySettings
 from shared.types import CallRecord, CallStatus, Route
 
 if TYPE_CHECKING:
+    from opentelemetry.trace import Span
+
     from proxy.hosted import HostedModels
+    from proxy.tracing import Tracing
 
 __all__ = ["CallState", "Relay"]
 
@@ -85,6 +88,7 @@ class CallState:
     error: dict[str, Any] | None = None
     body: bytes = b""
     truncated: bool = False
+    span: Span | None = None  # its trace span, when tracing is on
 
     @property
     def key(self) -> tuple[str, str] | None:
@@ -115,6 +119,7 @@ class Relay:
         admission: Admission,
         hosted: HostedModels | None = None,
         on_policy_unknown: Callable[[], Awaitable[None]] | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
         self._settings = settings
         self._pool = settings.pool
@@ -125,11 +130,14 @@ class Relay:
         self._admission = admission
         self._hosted = hosted
         self._on_policy_unknown = on_policy_unknown
+        self._tracing = tracing
         self._max_body = settings.recorder.max_body_bytes
 
     async def handle(self, request: Request, route: str, rollout_id: str | None, attempt_id: str | None) -> Response:
         """Relay one call. Tracked calls (with ids) get exact tokens asked for and the model rewritten."""
         call = CallState(route=route, rollout_id=rollout_id, attempt_id=attempt_id)
+        if self._tracing is not None:
+            call.span = self._tracing.start(route, request.headers, time.time_ns())
         self._recorder.begin(call.key)
         finishes_later = False  # a stream records itself when it ends
         try:
@@ -142,7 +150,10 @@ class Relay:
             if not self._policy.is_known and self._on_policy_unknown is not None and rollout_id is not None:
                 await self._on_policy_unknown()  # replicas were down at start; learn the base model now
             body = self.parse(call, raw, rewrite=True)
-            upstream, replica = await self._send(call, orjson.dumps(body), forwardable_headers(request.headers))
+            headers = forwardable_headers(request.headers)
+            if call.span is not None:
+                self._tracing.inject(call.span, headers)  # type: ignore[union-attr]
+            upstream, replica = await self._send(call, orjson.dumps(body), headers)
             content_type = upstream.headers.get("content-type", "")
             if upstream.status == 200 and content_type.startswith("text/event-stream"):
                 finishes_later = True
@@ -319,6 +330,8 @@ class Relay:
         )
         if call.body:
             _fill_response(record, call)
+        if call.span is not None:
+            self._tracing.finish(call.span, record)  # type: ignore[union-attr]
         _metric(metrics.REQUESTS, call.route, record.status).inc()
         _metric(metrics.REQUEST_SECONDS, call.route).observe(ended - call.t0)
         if call.t_first_byte is not None:

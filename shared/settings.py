@@ -116,6 +116,23 @@ class PoolSettings(BaseModel):
     )
 
 
+class TracingSettings(BaseModel):
+    """OpenTelemetry traces of relayed calls (off unless a collector is named)."""
+
+    otlp_endpoint: str | None = Field(
+        default=None,
+        description="OTLP/HTTP traces endpoint of a collector (`http://host:4318/v1/traces`); unset: no tracing, "
+        "and the OpenTelemetry SDK is not imported.",
+    )
+    service_name: str = Field(default="rolltap-proxy", description="The `service.name` spans carry.")
+    sample_ratio: float = Field(
+        default=1.0, ge=0, le=1,
+        description="Share of new traces kept; a caller's sampled `traceparent` decision is always followed.",
+    )
+    export_interval_s: float = Field(default=1.0, gt=0, description="Most time a finished span waits for export.")
+    export_timeout_s: float = Field(default=5.0, gt=0, description="Longest one export to the collector may take.")
+
+
 class ProxySettings(BaseModel):
     """The HTTP front."""
 
@@ -150,6 +167,7 @@ class ProxySettings(BaseModel):
     )
     recorder: RecorderSettings = Field(default_factory=RecorderSettings)
     pool: PoolSettings = Field(default_factory=PoolSettings)
+    tracing: TracingSettings = Field(default_factory=TracingSettings)
     litellm_config: Path | None = Field(
         default=None,
         description="YAML file with a LiteLLM `model_list`: hosted models (OpenAI, Anthropic, Azure, any "
@@ -366,6 +384,11 @@ class TrainerSettings(BaseModel):
     )
     tensorboard_dir: str | None = Field(
         default=None, description="Write per-step metrics as TensorBoard scalars here (needs `tensorboard`)."
+    )
+    wandb_project: str | None = Field(
+        default=None,
+        description="Log per-step metrics to this Weights & Biases project (needs `wandb`; its own `WANDB_*` "
+        "variables apply, e.g. `WANDB_MODE=offline` without network).",
     )
 
 

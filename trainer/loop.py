@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Engine, func, select
+from sqlalchemy import Engine, func, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 
 from shared.db.engine import create_sync_db
@@ -117,6 +117,11 @@ def _commit(engine: Engine, step: int, data: DataRead, metrics: dict[str, Any], 
         ).on_conflict_do_nothing(index_elements=["version"]))
 
 
+def _complete_metrics(engine: Engine, step: int, metrics: dict[str, Any]) -> None:
+    with engine.begin() as conn:
+        conn.execute(update(TrainingStep).where(TrainingStep.step == step).values(metrics=metrics))
+
+
 @dataclass
 class PolicyVersionRow:
     version: int
@@ -192,6 +197,9 @@ def run_loop(
             if pusher is not None:
                 metrics.update(_push(pusher, row))
             metrics["step_time_s"] = time.perf_counter() - started
+            # The step committed before the push (a crash between them re-pushes on restart), so
+            # the push's numbers and the whole step's time are added to the step's row afterwards.
+            _complete_metrics(engine, step, metrics)
             report = StepReport(step, metrics)
             reports.append(report)
             _log_step(report)

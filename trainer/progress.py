@@ -1,8 +1,11 @@
-"""Per-step progress for `rolltap-trainer run`: a line per step, and TensorBoard scalars if asked.
+"""Per-step progress for `rolltap-trainer run`: a line per step, plus TensorBoard and W&B if asked.
 
 Metrics also go to the database with each step (`training_steps.metrics`); this module
-only shows them. TensorBoard is optional: used when `trainer.tensorboard_dir` is set and
-`torch.utils.tensorboard` imports (it needs the `tensorboard` package).
+only shows them. Both trackers are optional and imported only when configured:
+TensorBoard when `trainer.tensorboard_dir` is set (`torch.utils.tensorboard`, which needs
+the `tensorboard` package), Weights & Biases when `trainer.wandb_project` is set (`wandb`;
+its own `WANDB_*` variables choose entity and mode). A tracker that is configured but not
+installed is skipped with a warning: it must never stop a training run.
 """
 
 from __future__ import annotations
@@ -26,21 +29,32 @@ _COLUMNS = [("reward_mean", "reward", ".3f"), ("reward_std", "±", ".3f"), ("los
 class Progress:
     def __init__(self, settings: TrainerSettings) -> None:
         self._max_steps = settings.max_steps
-        self._writer: Any = None
+        self._tensorboard: Any = None
+        self._wandb: Any = None
         if settings.tensorboard_dir:
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError:
                 logger.warning("trainer.tensorboard_dir is set but tensorboard is not installed; skipping it")
             else:
-                self._writer = SummaryWriter(settings.tensorboard_dir)
+                self._tensorboard = SummaryWriter(settings.tensorboard_dir)
+        if settings.wandb_project:
+            try:
+                import wandb
+            except ImportError:
+                logger.warning("trainer.wandb_project is set but wandb is not installed; skipping it")
+            else:
+                config = settings.model_dump(mode="json", exclude={"admin_token"})
+                self._wandb = wandb.init(project=settings.wandb_project, config=config)
 
     def __enter__(self) -> Progress:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self._writer is not None:
-            self._writer.close()
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+        if self._wandb is not None:
+            self._wandb.finish(exit_code=0 if exc[0] is None else 1)
 
     def step(self, report: StepReport) -> None:
         parts = [f"step {report.step}/{self._max_steps}"]
@@ -49,7 +63,10 @@ class Progress:
             if isinstance(value, (int, float)):
                 parts.append(f"{label} {value:{fmt}}")
         print(" | ".join(parts), file=sys.stdout, flush=True)
-        if self._writer is not None:
-            for key, value in report.metrics.items():
-                if isinstance(value, (int, float)):
-                    self._writer.add_scalar(f"rolltap/{key}", value, report.step)
+        scalars = {k: v for k, v in report.metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        if self._tensorboard is not None:
+            for key, value in scalars.items():
+                self._tensorboard.add_scalar(f"rolltap/{key}", value, report.step)
+            self._tensorboard.flush()
+        if self._wandb is not None:
+            self._wandb.log({f"rolltap/{key}": value for key, value in scalars.items()}, step=report.step)

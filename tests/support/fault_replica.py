@@ -38,6 +38,7 @@ class FaultStats:
     disconnects: int = 0
     completed: int = 0
     bodies: list[dict[str, Any]] = field(default_factory=list)
+    headers: list[dict[str, str]] = field(default_factory=list)  # each request's headers, lower-cased names
 
 
 class FaultReplica:
@@ -74,6 +75,7 @@ class FaultReplica:
         request = orjson.loads(body) if body else {}
         self.stats.requests += 1
         self.stats.bodies.append(request)
+        self.stats.headers.append({k.decode().lower(): v.decode() for k, v in scope["headers"]})
         fault = request.get("fault") or self.default_fault
         if "status" in fault:
             await self._json(send, fault["status"], {"error": {"message": "injected", "type": "injected",

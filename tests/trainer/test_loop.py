@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -12,10 +13,12 @@ from typing import Any
 import httpx
 import pytest
 from sqlalchemy import create_engine, select
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from shared.db.engine import sync_url
 from shared.db.models import Attempt, TrainingStep, TrainingStepAttempt
 from tests.conftest import ProxyFactory
+from tests.trainer.wandb_files import read_wandb_history
 
 pytestmark = [
     pytest.mark.vllm,
@@ -46,8 +49,9 @@ def _record_attempts(proxy_url: str) -> None:
         list(pool.map(attempt, [(g, k) for g in range(GROUPS) for k in range(GROUP_SIZE)]))
 
 
-def _trainer(config: Path, crash_at: str | None) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "ROLLTAP_CONFIG": str(config)}
+def _trainer(config: Path, crash_at: str | None, extra_env: dict[str, str] | None = None
+             ) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "ROLLTAP_CONFIG": str(config), **(extra_env or {})}
     env.pop("ROLLTAP_TRAINER_CRASH_AT", None)
     if crash_at:
         env["ROLLTAP_TRAINER_CRASH_AT"] = crash_at
@@ -91,8 +95,10 @@ def test_killed_trainer_resumes_without_repeating_or_skipping(vllm_replica: Any,
     steps, consumed, _ = _consumption(db_url)
     assert steps == [1, 2] and len(consumed) == 4 * GROUP_SIZE
 
-    # 3. Restarted again: resumes at 2, trains step 3 and stops at max_steps.
-    third = _trainer(config, None)
+    # 3. Restarted again: resumes at 2, trains step 3 and stops at max_steps; TensorBoard and W&B (offline) on.
+    trackers = {"ROLLTAP_TRAINER__TENSORBOARD_DIR": str(tmp_path / "tb"), "ROLLTAP_TRAINER__WANDB_PROJECT": "rolltap",
+                "WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path), "WANDB_SILENT": "true"}
+    third = _trainer(config, None, trackers)
     assert third.returncode == 0, third.stderr[-3000:]
     assert "resumed at committed step 2" in third.stderr
     assert "step 3/3" in third.stdout
@@ -100,6 +106,21 @@ def test_killed_trainer_resumes_without_repeating_or_skipping(vllm_replica: Any,
     assert steps == [1, 2, 3]
     assert set(consumed) == attempts  # every attempt consumed (none skipped) ...
     assert sorted(list(consumed.values()).count(s) for s in (1, 2, 3)) == [8, 8, 8]  # ... by exactly one step
+
+    # The step's row holds its metrics, completed after the commit (step_time_s is known only then), and
+    # both trackers got the same numbers for step 3.
+    engine = create_engine(sync_url(db_url))
+    with engine.connect() as conn:
+        metrics = conn.execute(select(TrainingStep.metrics).where(TrainingStep.step == 3)).scalar_one()
+    engine.dispose()
+    assert metrics["step_time_s"] > 0 and math.isfinite(metrics["loss"])
+    accumulator = EventAccumulator(str(tmp_path / "tb"))
+    accumulator.Reload()
+    (event,) = accumulator.Scalars("rolltap/loss")
+    assert event.step == 3 and event.value == pytest.approx(metrics["loss"], rel=1e-6)
+    (history,) = read_wandb_history(tmp_path / "wandb")
+    assert history["_step"] == 3 and history["rolltap/loss"] == pytest.approx(metrics["loss"], rel=1e-6)
+    assert history["rolltap/step_time_s"] == pytest.approx(metrics["step_time_s"])
 
 
 @pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
