@@ -65,6 +65,9 @@ def main(argv: list[str] | None = None) -> None:
         port=settings.proxy.port,
         log_level=settings.proxy.log_level.lower(),
         access_log=False,  # per-request lines cost more than the proxy itself; metrics cover it
+        # Nothing here reads the client address, so X-Forwarded-* rewriting (a middleware layer
+        # on every request) buys nothing.
+        proxy_headers=False,
         timeout_graceful_shutdown=int(settings.proxy.shutdown_timeout_s),
         lifespan="on",
     )
