@@ -65,6 +65,8 @@ class HostedModels:
         body = relay.parse(call, raw, rewrite=False)
         call.replica = f"litellm:{model}"
         kwargs = {k: v for k, v in body.items() if k not in ("stream_options", "return_token_ids")}
+        if trace := relay.trace_headers(call):
+            kwargs["extra_headers"] = {**(kwargs.get("extra_headers") or {}), **trace}
         try:
             if route == Route.CHAT:
                 result = await self._router.acompletion(**kwargs)

@@ -162,9 +162,7 @@ class Relay:
             if not self._policy.is_known and self._on_policy_unknown is not None and rollout_id is not None:
                 await self._on_policy_unknown()  # replicas were down at start; learn the base model now
             body = self.parse(call, raw, rewrite=True)
-            headers = forwardable_headers(request.headers)
-            if call.span is not None:
-                self._tracing.inject(call.span, headers)  # type: ignore[union-attr]
+            headers = forwardable_headers(request.headers) | self.trace_headers(call)
             upstream, replica = await self._send(call, orjson.dumps(body), headers)
             content_type = upstream.headers.get("content-type", "")
             if upstream.status == 200 and content_type.startswith("text/event-stream"):
@@ -185,6 +183,13 @@ class Relay:
         finally:
             if not finishes_later:
                 await self.record(call)
+
+    def trace_headers(self, call: CallState) -> dict[str, str]:
+        """The `traceparent` (and `tracestate`) that passes this call's span on; empty without tracing."""
+        headers: dict[str, str] = {}
+        if call.span is not None:
+            self._tracing.inject(call.span, headers)  # type: ignore[union-attr]
+        return headers
 
     async def _send(self, call: CallState, payload: bytes, headers: dict[str, str]) -> tuple[aiohttp.ClientResponse, ReplicaState]:
         """Send to a replica; fail over on connect errors, 429 and 503, with doubling backoff."""

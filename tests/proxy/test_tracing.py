@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from tests.conftest import ProxyFactory
-from tests.support.fault_replica import FaultReplica
+from tests.support.fault_replica import MODEL, FaultReplica
 from tests.support.otlp_collector import OtlpCollector, attributes
 from tests.support.servers import serve_in_thread
 
@@ -89,6 +89,24 @@ def test_the_replica_gets_the_proxy_span_as_parent(proxy_for: ProxyFactory) -> N
     version, trace_id, parent_id, flags = sent["traceparent"].split("-")
     assert (version, trace_id, flags) == ("00", TRACE_ID, "01")
     assert parent_id == span.span_id.hex() != PARENT_ID  # the proxy's span, not the agent's
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+def test_a_hosted_call_passes_the_trace_on_through_litellm(proxy_for: ProxyFactory, tmp_path: Any) -> None:
+    provider = FaultReplica()  # stands in for any OpenAI-compatible provider LiteLLM routes to
+    with OtlpCollector() as collector, serve_in_thread(provider) as (url, _):
+        config = tmp_path / "models.yaml"
+        config.write_text("model_list:\n  - model_name: hosted-x\n    litellm_params:\n"
+                          f"      model: openai/{MODEL}\n      api_base: {url}/v1\n      api_key: none\n")
+        with proxy_for([url], litellm_config=str(config), **_tracing(collector)) as proxy, \
+                httpx.Client(timeout=60) as http:
+            body = {"model": "hosted-x", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+            http.post(f"{proxy.base_url('r1', 'a1')}/chat/completions", json=body,
+                      headers={"traceparent": TRACEPARENT}).raise_for_status()
+        ((_, span),) = collector.spans()
+    assert attributes(span.attributes)["rolltap.replica"] == "litellm:hosted-x"
+    (sent,) = [h for h in provider.stats.headers if "traceparent" in h]
+    assert sent["traceparent"] == f"00-{TRACE_ID}-{span.span_id.hex()}-01"
 
 
 def test_tracing_off_imports_no_sdk() -> None:
