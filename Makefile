@@ -36,7 +36,7 @@ $(VLLM_VENV)/.installed:
 # The main job: the whole loop on CPU (agent -> proxy on SQLite -> two CPU vLLM replicas ->
 # trainer -> LoRA push), a few minutes; prints the reward of each policy version.
 demo: install
-	$(VENV)/bin/python -m scripts.learn --steps 20 --minutes 6 --out .rolltap/demo-learning.md
+	$(VENV)/bin/python -m scripts.learn --steps 60 --minutes 8 --out .rolltap/demo-learning.md
 
 # Just the recording side: one replica, the proxy, an agent; prints what was recorded.
 demo-record: install
