@@ -63,6 +63,7 @@ def _new_call_prefix() -> None:
 
 
 os.register_at_fork(after_in_child=_new_call_prefix)
+
 _RETRY_STATUSES = (429, 503)
 _children: dict[tuple[object, ...], Any] = {}
 
@@ -162,7 +163,9 @@ class Relay:
             if not self._policy.is_known and self._on_policy_unknown is not None and rollout_id is not None:
                 await self._on_policy_unknown()  # replicas were down at start; learn the base model now
             body = self.parse(call, raw, rewrite=True)
-            headers = forwardable_headers(request.headers) | self.trace_headers(call)
+            headers = forwardable_headers(request.headers)
+            if call.span is not None:  # no per-call work at all while tracing is off
+                headers |= self.trace_headers(call)
             upstream, replica = await self._send(call, orjson.dumps(body), headers)
             content_type = upstream.headers.get("content-type", "")
             if upstream.status == 200 and content_type.startswith("text/event-stream"):

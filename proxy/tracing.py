@@ -41,7 +41,7 @@ class Tracing:
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
         from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
-        from opentelemetry.trace import SpanKind, Status, StatusCode
+        from opentelemetry.trace import SpanKind, Status, StatusCode, set_span_in_context
         from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
         self._provider: TracerProvider = TracerProvider(
@@ -57,6 +57,7 @@ class Tracing:
         self._server = SpanKind.SERVER
         self._ok, self._error = Status(StatusCode.OK), StatusCode.ERROR
         self._status = Status
+        self._in_context = set_span_in_context
 
     def start(self, route: str, headers: Any, started_ns: int) -> Span:
         """A span for a call that just arrived, child of the caller's `traceparent` if it sent one."""
@@ -66,9 +67,7 @@ class Tracing:
 
     def inject(self, span: Span, headers: dict[str, str]) -> None:
         """Add the span's `traceparent` (and `tracestate`) to the headers sent to the replica."""
-        from opentelemetry.trace import set_span_in_context
-
-        self._propagator.inject(headers, context=set_span_in_context(span))
+        self._propagator.inject(headers, context=self._in_context(span))
 
     def finish(self, span: Span, record: CallRecord) -> None:
         """Stamp what the record holds on the span and end it; once per call, like the record."""
