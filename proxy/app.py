@@ -21,20 +21,25 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from proxy import store
+from proxy.access import KeyRing, Slots
 from proxy.admission import Admission
 from proxy.balancer import Balancer
-from proxy.errors import install_error_handlers
+from proxy.errors import error_response, install_error_handlers
 from proxy.hosted import load_hosted
+from proxy.keystore import ensure_key
+from proxy.limits import check_headers, limited_receive
+from proxy.openapi import install_openapi
 from proxy.policy import ActivePolicy
 from proxy.recorder import Recorder
 from proxy.relay import Relay
 from proxy.routes import admin, health, lifecycle
-from proxy.routes.relayed import match_relayed_post, relay_post, relayed_routes
+from proxy.routes.relayed import has_dot_segment, match_relayed_post, relay_post, relayed_routes
 from proxy.tracing import load_tracing
 from proxy.upstream import Upstream
 from shared.db.engine import create_async_db, create_sync_db, is_sqlite
 from shared.db.migrate import upgrade
-from shared.settings import Settings
+from shared.errors import NotFound, RolltapError
+from shared.settings import LimitSettings, Settings
 
 __all__ = ["ProxyApp", "create_app"]
 
@@ -44,26 +49,44 @@ logger = logging.getLogger(__name__)
 class ProxyApp(FastAPI):
     """FastAPI, except that relayed POSTs (the hot path) skip its routing and middleware layers.
 
-    Those layers (error middleware, telemetry, body limit, exception middleware, exit stack,
-    router, request wrapper) are pass-throughs for these routes but cost a few percent of
-    the proxy's CPU per call. A relayed POST is matched here (the same paths its routes
-    match), served by the same endpoint, and an exception becomes a response through the
-    same handlers (`proxy.errors`). Everything else goes through FastAPI as before.
+    Every HTTP request first passes the checks no route may skip: header limits (431) and
+    paths with `.`/`..` segments (404, refused rather than resolved, before any routing).
+    Then relayed POSTs: the framework's layers (error middleware, telemetry, body limit,
+    exception middleware, exit stack, router, request wrapper) are pass-throughs for them
+    but cost a few percent of the proxy's CPU per call, so a relayed POST is matched here
+    (the same paths its routes match), served by the same endpoint, and an exception
+    becomes a response through the same handlers (`proxy.errors`). Everything else goes
+    through FastAPI, its body counted against `proxy.limits.max_body_bytes`.
     """
 
+    limits = LimitSettings()
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["method"] == "POST" and not self.root_path:
-            target = match_relayed_post(scope["path"])
-            if target is not None:
-                scope["app"] = self
-                request = Request(scope, receive, send)
-                try:
-                    response = await relay_post(request, *target)
-                except Exception as exc:  # noqa: BLE001 - answered as the error handlers would
-                    response = await self._handle_error(request, exc)
-                await response(scope, receive, send)
-                return
-        await super().__call__(scope, receive, send)
+        if scope["type"] != "http":
+            await super().__call__(scope, receive, send)
+            return
+        path = scope["path"]  # percent-decoded by the server: `%2e%2e` is `..` here
+        try:
+            check_headers(scope, self.limits)
+            if has_dot_segment(path):
+                raise NotFound(f"no route {scope['method']} {path[:200]}: '.' and '..' segments are refused",
+                               code="unknown_route")
+            if scope["method"] != "POST" or self.root_path or (target := match_relayed_post(path)) is None:
+                receive = limited_receive(scope, receive, self.limits.max_body_bytes)
+                target = None
+        except RolltapError as exc:
+            await error_response(exc.status_code, exc.message, exc.type, code=exc.code)(scope, receive, send)
+            return
+        if target is None:
+            await super().__call__(scope, receive, send)
+            return
+        scope["app"] = self
+        request = Request(scope, receive, send)
+        try:
+            response = await relay_post(request, *target)
+        except Exception as exc:  # noqa: BLE001 - answered as the error handlers would
+            response = await self._handle_error(request, exc)
+        await response(scope, receive, send)
 
     async def _handle_error(self, request: Request, exc: Exception) -> Response:
         for cls in type(exc).__mro__:
@@ -104,6 +127,14 @@ async def _persist_replicas(app: FastAPI) -> None:
     await app.state.recorder.run(op, 30.0)
 
 
+async def _ensure_agent_key(app: FastAPI, key: str) -> None:
+    """`proxy.agent_key` stored (hashed) before keys are loaded, so it works from the first call."""
+    async def op(conn: AsyncConnection) -> None:
+        await ensure_key(conn, key, "proxy.agent_key")
+
+    await app.state.recorder.run(op, 30.0)
+
+
 def create_app(settings: Settings) -> ProxyApp:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -121,6 +152,7 @@ def create_app(settings: Settings) -> ProxyApp:
         hosted = load_hosted(settings.proxy.litellm_config)
         tracing = load_tracing(settings.proxy.tracing)
         recorder = Recorder(settings.proxy.recorder, writer, writer_sync)
+        keys = KeyRing(settings.proxy, reader)
         policy = ActivePolicy()
         app.state.settings = settings
         app.state.reader = reader
@@ -128,9 +160,14 @@ def create_app(settings: Settings) -> ProxyApp:
         app.state.balancer = balancer
         app.state.policy = policy
         app.state.admission = admission
+        app.state.keys = keys
         app.state.relay = Relay(settings.proxy, upstream, balancer, policy, recorder, admission, hosted,
-                                on_policy_unknown=lambda: _resolve_policy(app), tracing=tracing)
+                                on_policy_unknown=lambda: _resolve_policy(app), tracing=tracing,
+                                slots=Slots(settings.proxy.limits.max_calls_in_flight))
         await recorder.start()
+        if settings.proxy.agent_key is not None:
+            await _ensure_agent_key(app, settings.proxy.agent_key.get_secret_value())
+        await keys.start()
         await balancer.start()
         await balancer.wait_first_probe(timeout_s=10.0)
         await _resolve_policy(app)
@@ -140,6 +177,7 @@ def create_app(settings: Settings) -> ProxyApp:
         try:
             yield
         finally:
+            await keys.stop()
             await balancer.stop()
             await recorder.stop(settings.proxy.shutdown_timeout_s)
             await upstream.close()
@@ -149,8 +187,10 @@ def create_app(settings: Settings) -> ProxyApp:
             logger.info("proxy stopped; %d records written", recorder.written_total)
 
     app = ProxyApp(title="Rolltap proxy", version="1", lifespan=lifespan, routes=relayed_routes())
+    app.limits = settings.proxy.limits
     app.include_router(lifecycle.router)
     app.include_router(health.router)
     app.include_router(admin.router)
     install_error_handlers(app)
+    install_openapi(app)
     return app

@@ -21,6 +21,7 @@ __all__ = ["error_response", "install_error_handlers"]
 logger = logging.getLogger(__name__)
 
 _HTTP_TYPES = {404: "not_found_error", 405: "invalid_request_error", 401: "authentication_error"}
+_HTTP_CODES = {404: "unknown_route", 405: "method_not_allowed", 413: "body_too_large"}
 
 
 def error_response(
@@ -33,6 +34,7 @@ def error_response(
 
 
 async def _rolltap_error(_: Request, exc: Exception) -> JSONResponse:
+    # Messages name ids, routes and limits; they never carry a key, token or URL password.
     assert isinstance(exc, RolltapError)
     return error_response(exc.status_code, exc.message, exc.type, param=exc.param, code=exc.code,
                           retry_after_s=exc.retry_after_s)
@@ -46,8 +48,11 @@ async def _http_error(request: Request, exc: Exception) -> JSONResponse:
         message = f"method {request.method} not allowed on {request.url.path}"
     else:
         message = str(exc.detail)
-    return error_response(exc.status_code, message, _HTTP_TYPES.get(exc.status_code, "invalid_request_error"),
-                          code="unknown_route" if exc.status_code == 404 else None)
+    response = error_response(exc.status_code, message, _HTTP_TYPES.get(exc.status_code, "invalid_request_error"),
+                              code=_HTTP_CODES.get(exc.status_code))
+    if exc.headers:  # 405's `Allow`
+        response.headers.update(exc.headers)
+    return response
 
 
 async def _validation_error(_: Request, exc: Exception) -> JSONResponse:

@@ -1,6 +1,7 @@
 """`rolltap-proxy`: command line, logging, migrations, then uvicorn.
 
     rolltap-proxy --replica URL [--replica URL ...] --db URL --host H --port P
+    rolltap-proxy keys create|list|revoke ...      (agent keys; see `proxy.keystore`)
 
 Every flag has an environment equivalent (`ROLLTAP_PROXY__REPLICAS`, `ROLLTAP_DB__URL`,
 `ROLLTAP_PROXY__HOST`, `ROLLTAP_PROXY__PORT`, ...) and a config-file key
@@ -13,11 +14,14 @@ from __future__ import annotations
 import argparse
 import logging
 import signal
+import sys
 from typing import Any
 
 import uvicorn
 
 from proxy.app import create_app
+from proxy.keystore import cli as keys_cli
+from shared.db.engine import redacted_url
 from shared.settings import Settings
 
 __all__ = ["main", "parse_settings"]
@@ -53,12 +57,17 @@ def _exit_cleanly(signum: int, frame: object) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["keys"]:
+        raise SystemExit(keys_cli(argv[1:]))
     settings = parse_settings(argv)
     level = settings.proxy.log_level.upper()
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not settings.proxy.replicas:
         raise SystemExit("rolltap-proxy: no replica configured (--replica URL or ROLLTAP_PROXY__REPLICAS)")
-    logging.getLogger(__name__).info("settings: %s", settings.model_dump_json(exclude={"proxy": {"admin_token"}}))
+    # Secrets stay out of the log: SecretStr fields dump as "**********", the database password is masked.
+    shown = settings.model_copy(update={"db": settings.db.model_copy(update={"url": redacted_url(settings.db.url)})})
+    logging.getLogger(__name__).info("settings: %s", shown.model_dump_json())
     config = uvicorn.Config(
         create_app(settings),
         host=settings.proxy.host,
@@ -70,6 +79,9 @@ def main(argv: list[str] | None = None) -> None:
         proxy_headers=False,
         timeout_graceful_shutdown=int(settings.proxy.shutdown_timeout_s),
         lifespan="on",
+        # With the h11 parser, stop reading a header block past the limit (httptools has none of its
+        # own); every request's headers are checked again in `ProxyApp` either way.
+        h11_max_incomplete_event_size=settings.proxy.limits.max_header_bytes,
     )
     signal.signal(signal.SIGTERM, _exit_cleanly)  # restored by uvicorn after its shutdown, then re-raised
     uvicorn.Server(config).run()

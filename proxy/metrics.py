@@ -1,12 +1,16 @@
 """Prometheus metrics of the proxy, served on `GET /metrics`.
 
-Module-level collectors in the default registry, as prometheus_client intends; the
-labels are low-cardinality (route, status, replica URL), never rollout or attempt ids.
+Module-level collectors in the default registry, as prometheus_client intends. Label
+values come from fixed sets: `route` is one of `ROUTES` (else "other"), `status` a
+`CallStatus`, `replica` a configured replica URL; never a client's path or id, so no
+request can add a series.
 """
 
 from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram
+
+from shared.types import Route
 
 __all__ = [
     "RECORDER_QUEUE",
@@ -14,9 +18,13 @@ __all__ = [
     "RECORDS_SPOOLED",
     "RECORDS_WRITTEN",
     "REQUESTS",
+    "ROUTES",
     "REQUEST_SECONDS",
     "TTFB_SECONDS",
 ]
+
+# Every route the relay serves (`proxy.routes.relayed`); anything else is counted as "other".
+ROUTES = frozenset({*(r.value for r in Route), "embeddings", "responses"})
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 

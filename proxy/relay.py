@@ -28,15 +28,17 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from proxy import metrics
+from proxy.access import AgentKey, Slots
 from proxy.admission import Admission
 from proxy.assemble import assemble_stream, extract
 from proxy.balancer import Balancer, ReplicaState
+from proxy.limits import read_body
 from proxy.policy import ActivePolicy
 from proxy.recorder import Recorder
 from proxy.sse import SseParser
 from proxy.stream import RelayStream
 from proxy.upstream import Upstream, forwardable_headers
-from shared.errors import InvalidRequest, RolltapError, UpstreamUnavailable
+from shared.errors import InvalidRequest, RolltapError, UpstreamTimeout, UpstreamUnavailable
 from shared.settings import ProxySettings
 from shared.types import CallRecord, CallStatus, Route
 
@@ -102,6 +104,8 @@ class CallState:
     body: bytes = b""
     truncated: bool = False
     span: Span | None = None  # its trace span, when tracing is on
+    agent: AgentKey | None = None  # the caller's key (None with open access)
+    has_slot: bool = False  # counted in `Slots` until recorded
 
     @property
     def key(self) -> tuple[str, str] | None:
@@ -133,6 +137,7 @@ class Relay:
         hosted: HostedModels | None = None,
         on_policy_unknown: Callable[[], Awaitable[None]] | None = None,
         tracing: Tracing | None = None,
+        slots: Slots | None = None,
     ) -> None:
         self._settings = settings
         self._pool = settings.pool
@@ -145,17 +150,22 @@ class Relay:
         self._on_policy_unknown = on_policy_unknown
         self._tracing = tracing
         self._max_body = settings.recorder.max_body_bytes
+        self._max_request = settings.limits.max_body_bytes
+        self._slots = slots or Slots(settings.limits.max_calls_in_flight)
 
-    async def handle(self, request: Request, route: str, rollout_id: str | None, attempt_id: str | None) -> Response:
+    async def handle(self, request: Request, route: str, rollout_id: str | None, attempt_id: str | None,
+                     agent: AgentKey | None = None) -> Response:
         """Relay one call. Tracked calls (with ids) get exact tokens asked for and the model rewritten."""
-        call = CallState(route=route, rollout_id=rollout_id, attempt_id=attempt_id)
+        call = CallState(route=route, rollout_id=rollout_id, attempt_id=attempt_id, agent=agent)
         if self._tracing is not None:
             call.span = self._tracing.start(route, request.headers, time.time_ns())
         self._recorder.begin(call.key)
         finishes_later = False  # a stream records itself when it ends
         try:
+            self._slots.take(agent)
+            call.has_slot = True
             await self._admission.admit()
-            raw = await request.body()
+            raw = await read_body(request, self._max_request)
             if self._hosted is not None and (model := self._hosted.model_of(raw)) is not None:
                 response = await self._hosted.handle(self, call, route, raw, model)
                 finishes_later = isinstance(response, RelayStream)
@@ -270,7 +280,13 @@ class Relay:
         started = time.perf_counter()
         try:
             body = await upstream.read()
-        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+        except TimeoutError as exc:
+            upstream.close()
+            call.http_status = 504
+            raise UpstreamTimeout(f"replica {call.replica} did not finish the response within "
+                                  f"{self._settings.limits.call_timeout_s:g} s (proxy.limits.call_timeout_s)",
+                                  code="call_timeout") from exc
+        except (aiohttp.ClientError, OSError) as exc:
             upstream.close()
             call.http_status = 502
             raise UpstreamUnavailable(f"replica {call.replica} failed mid-response: {exc.__class__.__name__}",
@@ -278,7 +294,10 @@ class Relay:
         finally:
             call.upstream_s += time.perf_counter() - started
             upstream.release()
-        call.body = body
+        if len(body) > self._max_body:  # kept cut, as for streams; the client still gets it whole
+            call.body, call.truncated = body[:self._max_body], True
+        else:
+            call.body = body
         if upstream.status >= 400:
             call.status = CallStatus.UPSTREAM_ERROR
         return Response(body, status_code=upstream.status, media_type=content_type or None, headers=call.headers())
@@ -327,6 +346,8 @@ class Relay:
     async def record(self, call: CallState) -> None:
         """Build the record from what the call left and queue it. Called exactly once per call."""
         ended = time.perf_counter()
+        if call.has_slot:
+            self._slots.give(call.agent)
         record = CallRecord(
             call_id=call.call_id,
             rollout_id=call.rollout_id,
@@ -352,10 +373,11 @@ class Relay:
             _fill_response(record, call)
         if call.span is not None:
             self._tracing.finish(call.span, record)  # type: ignore[union-attr]
-        _metric(metrics.REQUESTS, call.route, record.status).inc()
-        _metric(metrics.REQUEST_SECONDS, call.route).observe(ended - call.t0)
+        route = call.route if call.route in metrics.ROUTES else "other"
+        _metric(metrics.REQUESTS, route, record.status).inc()
+        _metric(metrics.REQUEST_SECONDS, route).observe(ended - call.t0)
         if call.t_first_byte is not None:
-            _metric(metrics.TTFB_SECONDS, call.route).observe(call.t_first_byte - call.t0)
+            _metric(metrics.TTFB_SECONDS, route).observe(call.t_first_byte - call.t0)
         await self._recorder.submit(record)
 
 

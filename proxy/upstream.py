@@ -50,8 +50,11 @@ class Upstream:
                 limit=self._settings.max_connections, limit_per_host=0, keepalive_timeout=4.0,
                 ttl_dns_cache=300, enable_cleanup_closed=True,
             )
+            # total: a call's whole time, headers to last byte (`limits.call_timeout_s`), set once here
+            # so no call pays for a timeout object of its own.
             timeout = aiohttp.ClientTimeout(
-                total=None, connect=self._settings.connect_timeout_s, sock_read=self._settings.read_timeout_s
+                total=self._settings.limits.call_timeout_s, connect=self._settings.connect_timeout_s,
+                sock_read=self._settings.read_timeout_s,
             )
             # auto_decompress off: bytes go to the client exactly as the replica sent them.
             # identity encoding + no auto-decompression: the recorder parses what the client gets.
@@ -83,6 +86,10 @@ class Upstream:
 
 
 def forwardable_headers(headers: Any) -> dict[str, str]:
-    """Request headers worth passing upstream: content negotiation only, never client credentials."""
+    """Request headers worth passing upstream: content negotiation only, never client credentials.
+
+    An allow-list, so `authorization`, `x-api-key`, cookies and whatever else a client sends
+    stay here; the replica gets no agent key.
+    """
     out = {"content-type": headers.get("content-type", "application/json"), "accept": headers.get("accept", "*/*")}
     return out

@@ -3,9 +3,13 @@
     RolltapError (500, internal_error)
     ├── InvalidRequest (400, invalid_request_error)
     │   └── InvalidId (400, invalid_request_error, code=invalid_id)
+    │   ├── PayloadTooLarge (413, invalid_request_error, code=body_too_large)
+    │   └── HeadersTooLarge (431, invalid_request_error, code=headers_too_large)
     ├── Unauthorized (401, authentication_error)
+    ├── Forbidden (403, permission_error)
     ├── NotFound (404, not_found_error)
     ├── Conflict (409, conflict_error)
+    ├── TooManyRequests (429, rate_limit_error)
     ├── ServiceUnavailable (503, service_unavailable)
     │   ├── UpstreamUnavailable (503, upstream_unavailable): no replica could be reached
     │   └── DatabaseUnavailable (503, database_unavailable)
@@ -20,11 +24,15 @@ from __future__ import annotations
 __all__ = [
     "Conflict",
     "DatabaseUnavailable",
+    "Forbidden",
+    "HeadersTooLarge",
     "InvalidId",
     "InvalidRequest",
     "NotFound",
+    "PayloadTooLarge",
     "RolltapError",
     "ServiceUnavailable",
+    "TooManyRequests",
     "Unauthorized",
     "UpstreamTimeout",
     "UpstreamUnavailable",
@@ -64,9 +72,24 @@ class InvalidId(InvalidRequest):
     code = "invalid_id"
 
 
+class PayloadTooLarge(InvalidRequest):
+    status_code = 413
+    code = "body_too_large"
+
+
+class HeadersTooLarge(InvalidRequest):
+    status_code = 431
+    code = "headers_too_large"
+
+
 class Unauthorized(RolltapError):
     status_code = 401
     type = "authentication_error"
+
+
+class Forbidden(RolltapError):
+    status_code = 403
+    type = "permission_error"
 
 
 class NotFound(RolltapError):
@@ -77,6 +100,11 @@ class NotFound(RolltapError):
 class Conflict(RolltapError):
     status_code = 409
     type = "conflict_error"
+
+
+class TooManyRequests(RolltapError):
+    status_code = 429
+    type = "rate_limit_error"
 
 
 class ServiceUnavailable(RolltapError):

@@ -26,7 +26,7 @@ from pydantic_settings import (
     YamlConfigSettingsSource,
 )
 
-__all__ = ["DbSettings", "PoolSettings", "ProxySettings", "RecorderSettings", "Settings", "TrainerSettings"]
+__all__ = ["DbSettings", "LimitSettings", "PoolSettings", "ProxySettings", "RecorderSettings", "Settings", "TrainerSettings"]
 
 CONFIG_ENV = "ROLLTAP_CONFIG"
 
@@ -133,6 +133,35 @@ class TracingSettings(BaseModel):
     export_timeout_s: float = Field(default=5.0, gt=0, description="Longest one export to the collector may take.")
 
 
+class LimitSettings(BaseModel):
+    """What one caller may send and hold; each limit exceeded is an OpenAI-shaped error."""
+
+    max_body_bytes: int = Field(
+        default=32 * 1024 * 1024, ge=1024, description="Largest request body accepted (413 beyond it)."
+    )
+    max_header_bytes: int = Field(
+        default=64 * 1024, ge=1024,
+        description="Largest request header block, names and values together (431 beyond it). The h11 server "
+        "is also told to stop reading a header block past this size.",
+    )
+    max_headers: int = Field(default=100, ge=8, description="Most request headers accepted (431 beyond it).")
+    call_timeout_s: float = Field(
+        default=900.0, gt=0,
+        description="Longest one relayed call may take, first byte to last (504 before the response started; "
+        "a final error event once a stream has started).",
+    )
+    max_calls_per_key: int = Field(
+        default=64, ge=1,
+        description="Relayed calls (streamed or not) one agent key may have in flight on one proxy process "
+        "(429 beyond it); a key's own `max_concurrency` overrides it.",
+    )
+    max_calls_in_flight: int = Field(
+        default=4096, ge=1,
+        description="Relayed calls in flight on one proxy process, all callers together (503 with "
+        "`Retry-After` beyond it).",
+    )
+
+
 class ProxySettings(BaseModel):
     """The HTTP front."""
 
@@ -153,6 +182,22 @@ class ProxySettings(BaseModel):
     admin_token: SecretStr | None = Field(
         default=None, description="Bearer token for `/admin/...`; admin routes are refused when unset."
     )
+    open_access: bool = Field(
+        default=False,
+        description="Serve relayed, reward, finish and read routes without an agent key (logged as a WARNING "
+        "at start). Off: every such call needs an agent key (`rolltap-proxy keys create`).",
+    )
+    agent_key: SecretStr | None = Field(
+        default=None,
+        description="An unscoped agent key the proxy ensures (hashed) in the database at start, so a "
+        "deployment can configure one from its environment (`ROLLTAP_PROXY__AGENT_KEY`).",
+    )
+    keys_refresh_s: float = Field(
+        default=5.0, gt=0,
+        description="How often the proxy reloads agent keys from the database: a revoked key stops working "
+        "within this time; a new key works at once (an unknown key triggers a reload, at most one per second).",
+    )
+    limits: LimitSettings = Field(default_factory=LimitSettings)
     connect_timeout_s: float = Field(default=5.0, gt=0, description="Connecting to a replica.")
     read_timeout_s: float = Field(
         default=600.0, gt=0, description="Longest silence from a replica while a response is being read."

@@ -66,12 +66,14 @@ def tokenizer(tiny_model_dir: Path) -> Any:
 
 
 def make_settings(db_url: str, replicas: list[str], tmp_path: Path, **proxy: Any) -> Settings:
+    """Test settings. Open access by default, so tests about other things send no key; a user's
+    proxy is closed by default, and tests/proxy/test_access.py covers keys with `open_access=False`."""
     recorder = proxy.pop("recorder", {})
     return Settings(
         db={"url": db_url},
         # port 0: a free port per proxy (the default 8000 collides between concurrent test runs)
         proxy={"replicas": replicas, "port": 0, "health_interval_s": 0.5, "shutdown_timeout_s": 10, "admin_token": "t",
-               "recorder": {"spool_dir": str(tmp_path / "spool"), **recorder}, **proxy},
+               "open_access": True, "recorder": {"spool_dir": str(tmp_path / "spool"), **recorder}, **proxy},
     )
 
 

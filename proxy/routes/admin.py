@@ -16,14 +16,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from proxy import store
-from shared.errors import RolltapError, ServiceUnavailable, Unauthorized
+from shared.errors import Forbidden, ServiceUnavailable, Unauthorized
 
 __all__ = ["router"]
-
-
-class Forbidden(RolltapError):
-    status_code = 403
-    type = "permission_error"
 
 
 def require_admin(request: Request) -> None:

@@ -9,6 +9,8 @@ __all__ = ["check_id"]
 
 
 def check_id(value: str, name: str) -> str:
-    if not is_valid_id(value):
-        raise InvalidId(f"{name} must be 1-128 characters of [A-Za-z0-9._:-], got {value[:140]!r}", param=name)
+    # "." and ".." match the id pattern but are path segments, never ids.
+    if not is_valid_id(value) or value in (".", ".."):
+        raise InvalidId(f"{name} must be 1-128 characters of [A-Za-z0-9._:-] (not '.' or '..'), "
+                        f"got {value[:140]!r}", param=name)
     return value

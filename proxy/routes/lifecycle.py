@@ -1,4 +1,8 @@
-"""Rollout lifecycle: registration, rewards, finish (a flush barrier) and reading an attempt."""
+"""Rollout lifecycle: registration, rewards, finish (a flush barrier) and reading an attempt.
+
+Each needs an agent key whose scope covers the rollout (`proxy.access`), unless the
+proxy runs with `proxy.open_access`.
+"""
 
 from __future__ import annotations
 
@@ -55,9 +59,11 @@ class FinishIn(BaseModel):
         return value
 
 
-def attempt_key(rollout_id: str, attempt_id: str) -> tuple[str, str]:
-    """Path ids, checked before the body is parsed so a bad id is reported as such."""
-    return check_id(rollout_id, "rollout_id"), check_id(attempt_id, "attempt_id")
+async def attempt_key(rollout_id: str, attempt_id: str, request: Request) -> tuple[str, str]:
+    """Path ids, checked before the body is parsed so a bad id is reported as such; then the caller's key."""
+    key = check_id(rollout_id, "rollout_id"), check_id(attempt_id, "attempt_id")
+    await request.app.state.keys.authenticate(request.scope["headers"], rollout_id)
+    return key
 
 
 AttemptKey = Annotated[tuple[str, str], Depends(attempt_key)]
@@ -81,6 +87,7 @@ async def register_rollout(body: RolloutIn, request: Request) -> dict[str, Any]:
     recorder, settings = _collaborators(request)
     rollout_id = check_id(body.rollout_id, "rollout_id")
     group_id = check_id(body.group_id, "group_id") if body.group_id is not None else None
+    await request.app.state.keys.authenticate(request.scope["headers"], rollout_id)
 
     async def op(conn: AsyncConnection) -> None:
         await store.register_rollout(conn, rollout_id, group_id, body.task, body.metadata)

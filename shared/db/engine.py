@@ -17,7 +17,7 @@ from sqlalchemy.pool import NullPool
 
 from shared.settings import DbSettings
 
-__all__ = ["async_url", "create_async_db", "create_sync_db", "is_sqlite", "session_factory", "sync_url"]
+__all__ = ["async_url", "create_async_db", "create_sync_db", "is_sqlite", "redacted_url", "session_factory", "sync_url"]
 
 _ASYNC_DRIVERS = {"sqlite": "sqlite+aiosqlite", "postgresql": "postgresql+asyncpg"}
 _SYNC_DRIVERS = {"sqlite": "sqlite", "postgresql": "postgresql+psycopg"}
@@ -30,6 +30,14 @@ def _backend(url: URL) -> str:
     if backend == "sqlite":
         return "sqlite"
     raise ValueError(f"unsupported database {url.render_as_string(hide_password=True)!r}: use sqlite or postgresql")
+
+
+def redacted_url(url: str) -> str:
+    """The URL as it may be logged: any password replaced by `***`."""
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except Exception:  # noqa: BLE001 - an unparsable URL is logged as nothing rather than risk a secret
+        return "<unparsable database URL>"
 
 
 def async_url(url: str) -> URL:

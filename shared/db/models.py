@@ -34,6 +34,7 @@ from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 __all__ = [
+    "AgentKey",
     "Attempt",
     "Base",
     "Call",
@@ -253,3 +254,18 @@ class ExportAttempt(Base):
     export_id: Mapped[int] = mapped_column(
         BigId, ForeignKey("exports.id", name="fk_export_attempts_export"), nullable=False, index=True
     )
+
+
+class AgentKey(Base):
+    """An agent API key, stored as the SHA-256 of the key (the key itself is shown once, at creation)."""
+
+    __tablename__ = "agent_keys"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    key_hash: Mapped[str] = mapped_column(String(64), nullable=False, unique=True)
+    name: Mapped[str | None] = mapped_column(String(128))
+    # Calls, rewards, finish and reads of rollouts whose id starts with this; NULL: every rollout.
+    rollout_prefix: Mapped[str | None] = mapped_column(String(ID_LEN))
+    max_concurrency: Mapped[int | None] = mapped_column(Integer)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=_now())
+    revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))

@@ -23,6 +23,8 @@ from tests.support.fault_replica import FaultReplica
 from tests.support.servers import free_port, serve_in_thread
 
 SCRIPT = Path(sys.executable).parent / "rolltap-proxy"
+AGENT_KEY = "rk-cli-test-agent-key-0123456789abcdef0123456789"  # configured through ROLLTAP_PROXY__AGENT_KEY
+AUTH = {"authorization": f"Bearer {AGENT_KEY}"}
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +35,7 @@ def replica() -> Iterator[str]:
 
 def _env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLTAP_")}
-    return {**env, "PYTHONUNBUFFERED": "1", **extra}
+    return {**env, "PYTHONUNBUFFERED": "1", "ROLLTAP_PROXY__AGENT_KEY": AGENT_KEY, **extra}
 
 
 @contextmanager
@@ -76,7 +78,8 @@ def _rows(db_url: str) -> list[Any]:
 
 def _chat(port: int, rollout: str, **body: Any) -> httpx.Response:
     return httpx.post(f"http://127.0.0.1:{port}/rollout/{rollout}/attempt/0/v1/chat/completions",
-                      json={"model": "m", "messages": [{"role": "user", "content": "hi"}], **body}, timeout=30)
+                      json={"model": "m", "messages": [{"role": "user", "content": "hi"}], **body}, headers=AUTH,
+                      timeout=30)
 
 
 def test_flags_then_sigterm_lets_a_stream_finish(replica: str, tmp_path: Path) -> None:
@@ -97,7 +100,7 @@ def test_flags_then_sigterm_lets_a_stream_finish(replica: str, tmp_path: Path) -
             try:
                 body = {"model": "m", "messages": [], "stream": True, "max_tokens": 10, "fault": {"delay_s": 0.2}}
                 with httpx.stream("POST", f"http://127.0.0.1:{port}/rollout/cli/attempt/0/v1/chat/completions",
-                                  json=body, timeout=30) as response:
+                                  json=body, headers=AUTH, timeout=30) as response:
                     assert response.status_code == 200
                     for chunk in response.iter_raw():
                         chunks.append(chunk)
