@@ -3,8 +3,8 @@
 The hot path reads a dict: `authenticate` hashes the presented key and looks the hash up
 in a cache of the database's keys, reloaded every `proxy.keys_refresh_s` by a background
 task (so a revoked key stops working within that time). An unknown key triggers one
-reload, at most once a second whoever asks, so a key created a moment ago works at once
-and a flood of wrong keys costs the database one query a second.
+reload, at most once a second whoever asks, so a key created a moment ago works within a
+second and a flood of wrong keys costs the database one query a second.
 
 Keys arrive as OpenAI clients send them (`Authorization: Bearer <key>`) or as the
 Anthropic SDK does (`x-api-key: <key>`). Untracked `/v1` calls carry no rollout, so

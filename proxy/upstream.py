@@ -28,7 +28,8 @@ async def upstream_errors(replica: str) -> AsyncIterator[None]:
     try:
         yield
     except (asyncio.TimeoutError, aiohttp.ServerTimeoutError) as exc:
-        raise UpstreamTimeout(f"replica {replica} did not answer in time") from exc
+        raise UpstreamTimeout(f"replica {replica} did not answer in time (proxy.limits.call_timeout_s, "
+                             "proxy.read_timeout_s)", code="call_timeout") from exc
     except aiohttp.ClientError as exc:
         raise UpstreamUnavailable(f"replica {replica} unreachable: {exc.__class__.__name__}: {exc}") from exc
     except OSError as exc:

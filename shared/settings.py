@@ -195,7 +195,7 @@ class ProxySettings(BaseModel):
     keys_refresh_s: float = Field(
         default=5.0, gt=0,
         description="How often the proxy reloads agent keys from the database: a revoked key stops working "
-        "within this time; a new key works at once (an unknown key triggers a reload, at most one per second).",
+        "within this time; a new key works within a second (an unknown key triggers a reload, at most one a second).",
     )
     limits: LimitSettings = Field(default_factory=LimitSettings)
     connect_timeout_s: float = Field(default=5.0, gt=0, description="Connecting to a replica.")

@@ -6,7 +6,10 @@ picks the behaviour:
   {"delay_s": 0.2}                     wait before each streamed chunk
   {"drop_after": 3}                    send 3 chunks, then cut the connection
   {"chunks": ["data: ...", ...]}      stream exactly these byte strings (odd boundaries welcome)
-`stats` counts requests and how many streams ended because the client went away.
+  {"sleep_s": 1.0}                     wait before a non-streamed answer
+  {"pad_bytes": 1000000}               a non-streamed answer whose content is that many bytes long
+`stats` counts requests and how many streams ended because the client went away, and
+lists every path asked for other than the probes (`/health`, `/metrics`).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ class FaultStats:
     completed: int = 0
     bodies: list[dict[str, Any]] = field(default_factory=list)
     headers: list[dict[str, str]] = field(default_factory=list)  # each request's headers, lower-cased names
+    paths: list[str] = field(default_factory=list)  # raw paths, probes left out
 
 
 class FaultReplica:
@@ -63,6 +67,7 @@ class FaultReplica:
             await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
             await send({"type": "http.response.body", "body": data})
             return
+        self.stats.paths.append(scope.get("raw_path", path.encode()).decode("latin-1"))
         if path == "/v1/models":
             await self._json(send, 200, {"object": "list", "data": [{"id": MODEL, "object": "model"}]})
             return
@@ -82,9 +87,12 @@ class FaultReplica:
                                                                "param": None, "code": fault["status"]}})
             return
         if not request.get("stream"):
+            if fault.get("sleep_s"):
+                await asyncio.sleep(fault["sleep_s"])
+            content = "x" * fault["pad_bytes"] if fault.get("pad_bytes") else "ok"
             await self._json(send, 200, {"id": "chatcmpl-fault", "object": "chat.completion", "model": MODEL,
                                          "prompt_token_ids": [1, 2, 3],
-                                         "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"},
+                                         "choices": [{"index": 0, "message": {"role": "assistant", "content": content},
                                                       "finish_reason": "stop", "token_ids": [7],
                                                       "logprobs": {"content": [{"token": "ok", "logprob": -0.1}]}}]})
             return
