@@ -49,15 +49,20 @@ class AgentKey:
 
 
 def credential(headers: Iterable[tuple[bytes, bytes]]) -> str | None:
-    """The agent key in `authorization: Bearer ...` or `x-api-key`, from raw ASGI headers."""
+    """The agent key from raw ASGI headers: `x-api-key` if sent, else `authorization: Bearer ...`.
+
+    `x-api-key` wins so a caller can hold an agent key there and an admin token in
+    `authorization` (admin routes read only the latter).
+    """
+    bearer = None
     for name, value in headers:
+        if name == b"x-api-key" and value.strip():
+            return value.strip().decode("latin-1")
         if name == b"authorization":
             scheme, _, token = value.partition(b" ")
             if scheme.lower() == b"bearer" and token.strip():
-                return token.strip().decode("latin-1")
-        elif name == b"x-api-key" and value.strip():
-            return value.strip().decode("latin-1")
-    return None
+                bearer = token.strip().decode("latin-1")
+    return bearer
 
 
 class KeyRing:

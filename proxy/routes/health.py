@@ -8,7 +8,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from prometheus_client import CONTENT_TYPE_LATEST, Gauge, generate_latest
 from sqlalchemy import text
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 __all__ = ["router"]
 
@@ -45,7 +45,7 @@ async def readyz(request: Request) -> Response:
     return JSONResponse({"status": "ready" if ready else "not_ready", "checks": checks}, status_code=200 if ready else 503)
 
 
-@router.get("/metrics")
+@router.get("/metrics", response_class=PlainTextResponse)
 async def metrics(request: Request) -> Response:
     for replica in request.app.state.balancer.replicas:
         REPLICA_IN_FLIGHT.labels(replica.url).set(replica.in_flight)

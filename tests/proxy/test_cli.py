@@ -173,3 +173,73 @@ def test_bad_replica_url_is_a_clear_error(tmp_path: Path) -> None:
                          capture_output=True, text=True, timeout=60)
     assert out.returncode != 0
     assert "replica URL must start with http" in out.stderr
+
+
+@pytest.fixture
+def pg_url_with_password() -> Iterator[tuple[str, str]]:
+    """A PostgreSQL database owned by a role with a password, and a URL that carries it."""
+    import uuid
+
+    import psycopg
+
+    from tests.support.databases import PG_ADMIN_DSN, postgres_database
+
+    role, password = "rolltap_pw_" + uuid.uuid4().hex[:8], "pw-" + uuid.uuid4().hex
+    with psycopg.connect(PG_ADMIN_DSN, autocommit=True) as admin:
+        admin.execute(f"CREATE ROLE {role} LOGIN PASSWORD '{password}'")
+    try:
+        with postgres_database() as url:  # dropped (WITH FORCE) before the role that owns its tables
+            with psycopg.connect(PG_ADMIN_DSN, autocommit=True) as admin:
+                admin.execute(f'ALTER DATABASE "{url.rsplit("/", 1)[1]}" OWNER TO {role}')
+            yield f"postgresql://{role}:{password}@{url.split('@', 1)[1]}", password
+    finally:
+        with psycopg.connect(PG_ADMIN_DSN, autocommit=True) as admin:
+            admin.execute(f"DROP ROLE IF EXISTS {role}")
+
+
+def test_no_secret_in_any_log(replica: str, tmp_path: Path, pg_url_with_password: tuple[str, str]) -> None:
+    """A whole session at DEBUG (keys CLI, proxy, trainer CLI, a refused DB): no password, token or key logged."""
+    db_url, password = pg_url_with_password
+    admin_token = "adm-" + os.urandom(16).hex()
+    created = subprocess.run([str(SCRIPT), "keys", "--db", db_url, "create", "--rollout-prefix", "sec-"],
+                             env=_env(), capture_output=True, text=True, timeout=120)
+    assert created.returncode == 0, created.stderr
+    scoped_key = created.stdout.split("key: ", 1)[1].split()[0]
+    port = free_port()
+    args = ["--replica", replica, "--db", db_url, "--port", str(port), "--log-level", "debug"]
+    with running(args, tmp_path, port, ROLLTAP_PROXY__ADMIN_TOKEN=admin_token,
+                 ROLLTAP_PROXY__KEYS_REFRESH_S="0.2") as proc:
+        base = f"http://127.0.0.1:{port}"
+        time.sleep(1.1)  # the key created above is past the once-a-second reload on an unknown key
+        scoped = {"authorization": f"Bearer {scoped_key}"}
+        assert _chat(port, "sec-1").status_code == 200
+        r = httpx.post(f"{base}/rollout/sec-1/attempt/0/v1/chat/completions", headers=scoped, timeout=30,
+                       json={"model": "m", "messages": [], "stream": True, "max_tokens": 3})
+        assert r.status_code == 200
+        assert httpx.post(f"{base}/rollout/other/attempt/0/finish", headers=scoped, json={}).status_code == 403
+        assert httpx.post(f"{base}/rollout/sec-1/attempt/0/finish", headers={"x-api-key": scoped_key},
+                          json={"reward": 1}).status_code == 200
+        assert httpx.get(f"{base}/rollout/sec-1/attempt/0", headers=scoped).status_code == 200
+        assert httpx.get(f"{base}/admin/replicas", headers={"authorization": f"Bearer {admin_token}"}).status_code == 200
+        assert httpx.get(f"{base}/admin/replicas", headers=scoped).status_code == 401
+        assert httpx.post(f"{base}/v1/chat/completions", headers={"authorization": "Bearer rk-nope"},
+                          json={}).status_code == 401
+        metrics = httpx.get(f"{base}/metrics").text
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    proxy_log = (tmp_path / "proxy.log").read_text()
+    assert '"log_level":"debug"' in proxy_log and "***@" in proxy_log  # at DEBUG, settings logged (masked)
+    # The trainer CLI at DEBUG on the same database, and both CLIs against a database that refuses them.
+    stats = subprocess.run([sys.executable, "-m", "trainer.main", "--db", db_url, "--log-level", "debug", "stats"],
+                           env=_env(), capture_output=True, text=True, timeout=300)
+    assert stats.returncode == 0, stats.stderr
+    down_url = db_url.replace("@127.0.0.1:5432", "@127.0.0.1:9").replace("@localhost:5432", "@127.0.0.1:9")
+    assert down_url != db_url
+    refused = subprocess.run([str(SCRIPT), "--replica", replica, "--db", down_url, "--log-level", "debug",
+                              "--port", str(free_port())], env=_env(), capture_output=True, text=True, timeout=120)
+    assert refused.returncode != 0
+    texts = {"proxy": proxy_log, "metrics": metrics, "keys cli stderr": created.stderr,
+             "trainer": stats.stdout + stats.stderr, "refused db": refused.stdout + refused.stderr}
+    for secret in (password, admin_token, AGENT_KEY, scoped_key):
+        for name, text in texts.items():
+            assert secret not in text, f"a secret is in the {name} output"

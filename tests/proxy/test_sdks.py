@@ -1,0 +1,98 @@
+"""Each SDK an agent is likely to use, against a closed proxy (agent key) in front of a real CPU vLLM.
+
+The base URLs are the ones the README gives: `.../attempt/A/v1` for OpenAI-style clients,
+`.../attempt/A` for the Anthropic SDK (it appends `/v1/messages` itself, and sends the key
+as `x-api-key`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.conftest import ProxyFactory
+from tests.support.servers import RunningProxy
+
+pytestmark = pytest.mark.vllm
+
+KEY = "rk-sdk-test-agent-key-00000000000000000000000000"
+PROMPT = "Tell me about the quick brown fox."
+
+
+@pytest.fixture
+def proxy(vllm_replica: Any, proxy_for: ProxyFactory) -> Iterator[RunningProxy]:
+    with proxy_for([vllm_replica.url], open_access=False, agent_key=KEY) as running:
+        yield running
+
+
+def _recorded(proxy: RunningProxy, rollout: str, routes: list[str]) -> list[dict[str, Any]]:
+    r = httpx.get(f"{proxy.url}/rollout/{rollout}/attempt/0", headers={"authorization": f"Bearer {KEY}"}, timeout=60)
+    calls: list[dict[str, Any]] = r.json()["calls"]
+    assert [c["route"] for c in calls] == routes
+    for call in calls:
+        assert call["status"] == "ok", call["error"]
+        assert call["completion_token_ids"] and call["prompt_token_ids"]
+        assert KEY not in str(call["request"])
+    return calls
+
+
+def test_anthropic_sdk(proxy: RunningProxy) -> None:
+    import anthropic
+
+    client = anthropic.Anthropic(base_url=f"{proxy.url}/rollout/anth/attempt/0", api_key=KEY, max_retries=0)
+    message = client.messages.create(model="tiny", max_tokens=8, messages=[{"role": "user", "content": PROMPT}])
+    assert message.content[0].type == "text" and message.usage.output_tokens > 0
+    with client.messages.stream(model="tiny", max_tokens=8, messages=[{"role": "user", "content": PROMPT}]) as stream:
+        streamed = "".join(stream.text_stream)
+    assert streamed == message.content[0].text or streamed  # sampled by default: both non-empty
+    _recorded(proxy, "anth", ["messages", "messages"])
+    with pytest.raises(anthropic.AuthenticationError):
+        anthropic.Anthropic(base_url=f"{proxy.url}/rollout/anth/attempt/0", api_key="rk-wrong",
+                            max_retries=0).messages.create(model="tiny", max_tokens=8,
+                                                           messages=[{"role": "user", "content": PROMPT}])
+
+
+def test_openai_sdk_sync(proxy: RunningProxy) -> None:
+    import openai
+
+    client = openai.OpenAI(base_url=proxy.base_url("oai", "0"), api_key=KEY, max_retries=0)
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": PROMPT}], max_tokens=8)
+    assert chat.choices[0].message.content
+    _recorded(proxy, "oai", ["chat/completions"])
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=proxy.base_url("oai", "0"), api_key="rk-wrong", max_retries=0).models.list()
+
+
+async def test_openai_sdk_async(proxy: RunningProxy) -> None:
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=proxy.base_url("aoai", "0"), api_key=KEY, max_retries=0)
+    stream = await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": PROMPT}],
+                                                  max_tokens=8, stream=True)
+    text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+    comp = await client.completions.create(model="tiny", prompt="The quick brown", max_tokens=8)
+    assert text and comp.choices[0].text
+    await client.close()
+    _recorded(proxy, "aoai", ["chat/completions", "completions"])
+
+
+def test_litellm_sdk(proxy: RunningProxy) -> None:
+    import litellm
+
+    response = litellm.completion(model="openai/tiny", api_base=proxy.base_url("llm", "0"), api_key=KEY,
+                                  messages=[{"role": "user", "content": PROMPT}], max_tokens=8)
+    assert response.choices[0].message.content
+    _recorded(proxy, "llm", ["chat/completions"])
+
+
+def test_langchain_chat_openai(proxy: RunningProxy) -> None:
+    from langchain_openai import ChatOpenAI
+
+    llm = ChatOpenAI(model="tiny", base_url=proxy.base_url("lc", "0"), api_key=KEY, max_tokens=8, max_retries=0)
+    assert llm.invoke(PROMPT).content
+    assert "".join(str(chunk.content) for chunk in llm.stream(PROMPT))
+    _recorded(proxy, "lc", ["chat/completions", "chat/completions"])
