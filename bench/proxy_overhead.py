@@ -95,6 +95,7 @@ _WRK_LUA = r"""
 wrk.method = "POST"
 wrk.body = os.getenv("RT_BODY")
 wrk.headers["Content-Type"] = "application/json"
+wrk.headers["Authorization"] = "Bearer " .. os.getenv("RT_AGENT_KEY")
 local fmt = os.getenv("RT_PATH_FMT")
 local attempts = tonumber(os.getenv("RT_ATTEMPTS") or "1")
 sent = 0
@@ -174,12 +175,20 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+# Rolltap's agent key (proxy.agent_key): every call is authenticated, as in production.
+AGENT_KEY = "rk-bench-" + os.urandom(16).hex()
+os.environ["RT_AGENT_KEY"] = AGENT_KEY  # read by the wrk script
+
+
 def _http(method: str, base: str, path: str, body: Any = None, timeout: float = 10.0) -> tuple[int, bytes, Any]:
     host, port = base.removeprefix("http://").split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=timeout)
     try:
         data = None if body is None else (body if isinstance(body, bytes) else json.dumps(body).encode())
-        conn.request(method, path, data, {"content-type": "application/json"} if data is not None else {})
+        headers = {"authorization": f"Bearer {AGENT_KEY}"}  # Rolltap is closed; the other targets ignore it
+        if data is not None:
+            headers["content-type"] = "application/json"
+        conn.request(method, path, data, headers)
         resp = conn.getresponse()
         return resp.status, resp.read(), resp.headers
     finally:
@@ -237,7 +246,7 @@ def start_rolltap(kind: str, replica: str, db_url: str, work: Path, cpu: int | N
     base = f"http://127.0.0.1:{port}"
     spool = work / f"spool-{kind}"
     log_path = work / f"rolltap-{kind}.log"
-    env = _base_env() | {"ROLLTAP_PROXY__RECORDER__SPOOL_DIR": str(spool)}
+    env = _base_env() | {"ROLLTAP_PROXY__RECORDER__SPOOL_DIR": str(spool), "ROLLTAP_PROXY__AGENT_KEY": AGENT_KEY}
     exe = str(Path(sys.executable).parent / "rolltap-proxy")
     cmd = [exe, "--replica", replica, "--db", db_url, "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
     proc = _spawn(cmd, env=env, cwd=work, log_path=log_path, cpu=cpu)

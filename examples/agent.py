@@ -1,7 +1,7 @@
 """A small multi-turn agent that knows nothing of Rolltap: the plain `openai` SDK.
 
-Point it at `http://PROXY/rollout/<rollout>/attempt/<attempt>/v1` and every call is
-recorded. Its task is a toy with a programmatic reward, so the demo has something to
+Point it at `http://PROXY/rollout/<rollout>/attempt/<attempt>/v1`, with an agent key as its
+API key (`rolltap-proxy keys create`), and every call is recorded. Its task is a toy with a programmatic reward, so the demo has something to
 score: answer "what is A + B" with the number. (The demo's tiny random model will not
 manage it; a real one does, and the trainer has room to make it better.)
 """
@@ -33,10 +33,10 @@ def score(task: Task, reply: str) -> float:
     return 1.0 if match and int(match.group()) == task.a + task.b else 0.0
 
 
-def run_attempt(proxy_url: str, rollout_id: str, attempt_id: str, task: Task, *, turns: int = 2,
+def run_attempt(proxy_url: str, rollout_id: str, attempt_id: str, task: Task, *, api_key: str, turns: int = 2,
                 max_tokens: int = 16, stream: bool = True) -> float:
-    """Ask, then ask again to double-check; report the reward and finish the attempt."""
-    client = openai.OpenAI(base_url=f"{proxy_url}/rollout/{rollout_id}/attempt/{attempt_id}/v1", api_key="none")
+    """Ask, then ask again to double-check; report the reward and finish the attempt (both with the agent key)."""
+    client = openai.OpenAI(base_url=f"{proxy_url}/rollout/{rollout_id}/attempt/{attempt_id}/v1", api_key=api_key)
     messages: list[dict[str, str]] = [{"role": "user", "content": task.question}]
     reply = ""
     for turn in range(turns):
@@ -53,6 +53,7 @@ def run_attempt(proxy_url: str, rollout_id: str, attempt_id: str, task: Task, *,
             messages.append({"role": "user", "content": "Are you sure? Give just the number."})
     reward = score(task, reply)
     finished = httpx.post(f"{proxy_url}/rollout/{rollout_id}/attempt/{attempt_id}/finish",
-                          json={"status": "succeeded", "reward": reward}, timeout=120)
+                          json={"status": "succeeded", "reward": reward},
+                          headers={"authorization": f"Bearer {api_key}"}, timeout=120)
     finished.raise_for_status()
     return reward

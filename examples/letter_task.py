@@ -5,7 +5,8 @@ are the target letter (about 0.11 for "e" from a random tiny model). Every sampl
 differently, so GRPO gets a signal from the first step. Several attempts per task form a
 group: `/rollout/<task>/attempt/<k>`.
 
-The agent is the plain `openai` SDK pointed at the proxy's templated URL.
+The agent is the plain `openai` SDK pointed at the proxy's templated URL, with an agent key
+as its API key.
 """
 
 from __future__ import annotations
@@ -33,11 +34,11 @@ def score(task: LetterTask, reply: str) -> float:
     return sum(c == task.letter for c in chars) / len(chars) if chars else 0.0
 
 
-def run_attempt(proxy_url: str, rollout_id: str, attempt_id: str, task: LetterTask, *,
+def run_attempt(proxy_url: str, rollout_id: str, attempt_id: str, task: LetterTask, *, api_key: str,
                 max_tokens: int = 16, http: httpx.Client | None = None) -> float:
-    """One attempt: ask, score, report the reward with `finish`. Returns the reward."""
+    """One attempt: ask, score, report the reward with `finish` (both with the agent key). Returns the reward."""
     base_url = f"{proxy_url}/rollout/{rollout_id}/attempt/{attempt_id}/v1"
-    client = openai.OpenAI(base_url=base_url, api_key="none", max_retries=3,
+    client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=3,
                            http_client=http if http is not None else None)
     out = client.chat.completions.create(model="policy", messages=[{"role": "user", "content": task.prompt}],
                                          max_tokens=max_tokens, temperature=1.0)
@@ -45,7 +46,8 @@ def run_attempt(proxy_url: str, rollout_id: str, attempt_id: str, task: LetterTa
     poster = http or httpx.Client(timeout=120)
     try:
         poster.post(f"{proxy_url}/rollout/{rollout_id}/attempt/{attempt_id}/finish",
-                    json={"status": "succeeded", "reward": reward}).raise_for_status()
+                    json={"status": "succeeded", "reward": reward},
+                    headers={"authorization": f"Bearer {api_key}"}).raise_for_status()
     finally:
         if http is None:
             poster.close()

@@ -78,8 +78,14 @@ def main() -> None:
         replica.wait_healthy(600)
         proxy_url = f"http://127.0.0.1:{args.port}"
         env = {**os.environ, "ROLLTAP_PROXY__RECORDER__SPOOL_DIR": str(args.workdir / "spool")}
-        cmd = [str(Path(sys.executable).parent / "rolltap-proxy"), "--replica", replica.url,
-               "--db", f"sqlite:///{db_path}", "--host", "127.0.0.1", "--port", str(args.port)]
+        exe = str(Path(sys.executable).parent / "rolltap-proxy")
+        # The proxy is closed: agents need a key. Made here with the CLI; shown once, stored hashed.
+        created = subprocess.run([exe, "keys", "--db", f"sqlite:///{db_path}", "create", "--name", "demo",
+                                  "--rollout-prefix", "task-"], env=env, check=True, capture_output=True, text=True)
+        api_key = created.stdout.split("key: ", 1)[1].split()[0]
+        print("created an agent key for rollouts task-* (rolltap-proxy keys create)", flush=True)
+        cmd = [exe, "--replica", replica.url, "--db", f"sqlite:///{db_path}", "--host", "127.0.0.1",
+               "--port", str(args.port)]
         print("starting:", " ".join(cmd), flush=True)
         proxy = subprocess.Popen(cmd, env=env)
         try:
@@ -87,11 +93,13 @@ def main() -> None:
             tasks = {f"task-{i}": Task(3 + i, 4 + 2 * i) for i in range(args.tasks)}
             jobs = [(rid, str(k), task) for rid, task in tasks.items() for k in range(args.attempts)]
             with ThreadPoolExecutor(max_workers=8) as pool:
-                rewards = list(pool.map(lambda j: run_attempt(proxy_url, j[0], j[1], j[2], stream=int(j[1]) % 2 == 0),
+                rewards = list(pool.map(lambda j: run_attempt(proxy_url, j[0], j[1], j[2], api_key=api_key,
+                                                              stream=int(j[1]) % 2 == 0),
                                         jobs))
             print(f"\n{len(jobs)} attempts finished, mean reward {sum(rewards) / len(rewards):.2f}. Recorded:")
             for rid, aid, _ in jobs:
-                _print_attempt(httpx.get(f"{proxy_url}/rollout/{rid}/attempt/{aid}", timeout=30).json())
+                _print_attempt(httpx.get(f"{proxy_url}/rollout/{rid}/attempt/{aid}", timeout=30,
+                                         headers={"authorization": f"Bearer {api_key}"}).json())
             print(f"\ndatabase: {db_path}")
         finally:
             proxy.terminate()

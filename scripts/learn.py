@@ -22,6 +22,7 @@ import os
 import platform
 import random
 import re
+import secrets
 import shlex
 import shutil
 import statistics
@@ -49,6 +50,7 @@ from tools.tiny_model import build_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "learn-token"
+AGENT_KEY = "rk-" + secrets.token_urlsafe(32)  # the proxy's agent key for this run (proxy.agent_key)
 TOPICS = ["the sea", "trees", "a green field", "the weekend", "cheese", "three geese", "the street", "sleep"]
 PHASES = ("read_s", "update_s", "save_s", "push_s")
 
@@ -157,13 +159,14 @@ def arithmetic_attempt(proxy_url: str, rollout_id: str, attempt_id: str, task: A
                        max_tokens: int, http: httpx.Client) -> Attempt:
     """One single-turn attempt: ask, score with `examples.agent.score`, report the reward with `finish`."""
     base_url = f"{proxy_url}/rollout/{rollout_id}/attempt/{attempt_id}/v1"
-    client = openai.OpenAI(base_url=base_url, api_key="none", max_retries=3, http_client=http)
+    client = openai.OpenAI(base_url=base_url, api_key=AGENT_KEY, max_retries=3, http_client=http)
     out = client.chat.completions.create(model="policy", messages=[{"role": "user", "content": task.question}],
                                          max_tokens=max_tokens, temperature=1.0)
     reply = out.choices[0].message.content or ""
     reward = arithmetic_score(task, reply)
     http.post(f"{proxy_url}/rollout/{rollout_id}/attempt/{attempt_id}/finish",
-              json={"status": "succeeded", "reward": reward}).raise_for_status()
+              json={"status": "succeeded", "reward": reward},
+              headers={"authorization": f"Bearer {AGENT_KEY}"}).raise_for_status()
     return Attempt(reward, reply, out.usage.completion_tokens if out.usage else None,
                    out.choices[0].finish_reason == "length")
 
@@ -268,7 +271,8 @@ def main() -> None:
     memory = Memory(pids={"replicas": [f"-g {r.proc.pid}" for r in replicas if r.proc is not None]})
     memory.start()
     try:
-        env = {**os.environ, "ROLLTAP_PROXY__ADMIN_TOKEN": TOKEN, "ROLLTAP_PROXY__POOL__WEIGHT_MODE": "lora",
+        env = {**os.environ, "ROLLTAP_PROXY__ADMIN_TOKEN": TOKEN, "ROLLTAP_PROXY__AGENT_KEY": AGENT_KEY,
+               "ROLLTAP_PROXY__POOL__WEIGHT_MODE": "lora",
                "ROLLTAP_PROXY__RECORDER__SPOOL_DIR": str(args.workdir / "spool")}
         cmd = [str(bin_dir / "rolltap-proxy"), "--db", db, "--port", str(args.port)]
         for r in replicas:
@@ -301,7 +305,8 @@ def main() -> None:
                         (f"v{version}-t{g}", str(k), LetterTask("e", TOPICS[(version + g) % len(TOPICS)]))
                         for g in range(args.groups) for k in range(args.group_size)]
                     attempts = [Attempt(r) for r in pool.map(
-                        lambda j: run_attempt(proxy_url, j[0], j[1], j[2], max_tokens=args.max_tokens, http=http),
+                        lambda j: run_attempt(proxy_url, j[0], j[1], j[2], api_key=AGENT_KEY, max_tokens=args.max_tokens,
+                                              http=http),
                         jobs)]
                 else:
                     jobs = [(f"v{version}-t{g}", str(k), arithmetic_task(version, g, args.max_operand))
