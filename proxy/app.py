@@ -161,6 +161,7 @@ def create_app(settings: Settings) -> ProxyApp:
         app.state.policy = policy
         app.state.admission = admission
         app.state.keys = keys
+        app.state.upstream = upstream
         app.state.relay = Relay(settings.proxy, upstream, balancer, policy, recorder, admission, hosted,
                                 on_policy_unknown=lambda: _resolve_policy(app), tracing=tracing,
                                 slots=Slots(settings.proxy.limits.max_calls_in_flight))

@@ -1,4 +1,5 @@
-"""Admin API (bearer-token protected): replicas, the active policy, admission pause/resume.
+"""Admin API (bearer-token protected): replicas, the active policy, admission pause/resume,
+and the replicas' own control routes (the only way to them through the proxy).
 
 Used by operators and by the trainer around weight pushes. Refused (403) when no
 `proxy.admin_token` is configured.
@@ -10,13 +11,16 @@ import asyncio
 import hmac
 import time
 from typing import Annotated, Any, Literal
+from urllib.parse import urlencode
 
+import orjson
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from proxy import store
-from shared.errors import Forbidden, ServiceUnavailable, Unauthorized
+from proxy.upstream import JSON_HEADERS
+from shared.errors import Forbidden, RolltapError, ServiceUnavailable, Unauthorized
 
 __all__ = ["router"]
 
@@ -62,6 +66,36 @@ class PolicyIn(BaseModel):
     kind: Literal["base", "lora", "full"] = "lora"
     base_model: str | None = None
     path: str | None = None
+
+
+# A replica's control routes (vLLM's server), by action name: the fixed set this API reaches.
+CONTROL_PATHS = {
+    "load_lora_adapter": "/v1/load_lora_adapter",
+    "unload_lora_adapter": "/v1/unload_lora_adapter",
+    "pause": "/pause",
+    "resume": "/resume",
+    "collective_rpc": "/collective_rpc",
+    "reset_prefix_cache": "/reset_prefix_cache",
+    "sleep": "/sleep",
+    "wake_up": "/wake_up",
+}
+ControlAction = Literal["load_lora_adapter", "unload_lora_adapter", "pause", "resume", "collective_rpc",
+                        "reset_prefix_cache", "sleep", "wake_up"]
+
+
+class ReplicaRefused(RolltapError):
+    status_code = 502
+    type = "upstream_error"
+    code = "replica_refused"
+
+
+class ControlIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    url: str = Field(description="A replica in the pool (as `GET /admin/replicas` lists it)")
+    action: ControlAction
+    body: dict[str, Any] | None = Field(default=None, description="JSON body for the replica, e.g. "
+                                        "`{\"lora_name\", \"lora_path\"}` or `{\"method\", \"kwargs\"}`")
+    params: dict[str, str] | None = Field(default=None, description="Query parameters, e.g. `{\"mode\": \"wait\"}`")
 
 
 class PauseIn(BaseModel):
@@ -150,3 +184,30 @@ async def pause(body: PauseIn, request: Request) -> dict[str, Any]:
 async def resume(request: Request) -> dict[str, Any]:
     request.app.state.admission.resume()
     return {"object": "rolltap.admission", "paused": False, "in_flight": request.app.state.balancer.in_flight}
+
+
+@router.post("/replicas/control")
+async def control_replica(body: ControlIn, request: Request) -> dict[str, Any]:
+    """Call one of a replica's control routes (LoRA load/unload, pause/resume, collective_rpc, ...).
+
+    The relay never forwards these; this is the one way to reach them through the proxy.
+    The replica's 4xx/5xx answer becomes a 502 naming its status.
+    """
+    state = request.app.state
+    replica = state.balancer.get(body.url.rstrip("/").removesuffix("/v1"))
+    path = CONTROL_PATHS[body.action] + ("?" + urlencode(body.params) if body.params else "")
+    payload = orjson.dumps(body.body) if body.body is not None else b""
+    upstream = await state.upstream.request("POST", replica.url, path, payload, JSON_HEADERS)
+    try:
+        data = await upstream.read()
+    finally:
+        upstream.release()
+    if upstream.status >= 400:
+        raise ReplicaRefused(f"replica {replica.url} answered {upstream.status} to {body.action}: "
+                             f"{data[:300].decode('utf-8', 'replace')}")
+    try:
+        answer: Any = orjson.loads(data) if data else None
+    except orjson.JSONDecodeError:
+        answer = data[:4096].decode("utf-8", "replace")
+    return {"object": "rolltap.replica_control", "url": replica.url, "action": body.action,
+            "replica_status": upstream.status, "response": answer}

@@ -77,6 +77,36 @@ def test_control_routes_never_reach_a_replica(proxy_for: ProxyFactory, replica: 
         assert fault.stats.paths[len(before):] == ["/v1/chat/completions"]
 
 
+def test_replica_control_only_through_the_admin_api(proxy_for: ProxyFactory,
+                                                     replica: tuple[str, FaultReplica]) -> None:
+    url, fault = replica
+    with proxy_for([url], open_access=False, agent_key=AGENT_KEY) as proxy, \
+            httpx.Client(base_url=f"{proxy.url}/admin", timeout=30) as admin:
+        control = {"url": url, "action": "load_lora_adapter", "body": {"lora_name": "p1", "lora_path": "/x"}}
+        for headers in ({}, {"authorization": f"Bearer {AGENT_KEY}"}, {"x-api-key": AGENT_KEY}):
+            r = admin.post("/replicas/control", json=control, headers=headers)
+            assert r.status_code == 401, r.text
+        assert fault.stats.paths == []
+        as_admin = {"authorization": "Bearer t"}
+        r = admin.post("/replicas/control", json=control, headers=as_admin)
+        assert r.status_code == 200 and r.json()["replica_status"] == 200, r.text
+        for action, params in (("pause", {"mode": "wait"}), ("collective_rpc", None), ("reset_prefix_cache", None),
+                               ("resume", None)):
+            r = admin.post("/replicas/control", json={"url": url, "action": action, "params": params},
+                           headers=as_admin)
+            assert r.status_code == 200, r.text
+        assert fault.stats.paths == ["/v1/load_lora_adapter", "/pause", "/collective_rpc", "/reset_prefix_cache",
+                                     "/resume"]
+        assert fault.stats.bodies[0] == {"lora_name": "p1", "lora_path": "/x"}
+        r = admin.post("/replicas/control", json={"url": url, "action": "load_lora_adapter",
+                                                  "body": {"fault": {"status": 400}}}, headers=as_admin)
+        assert r.status_code == 502 and r.json()["error"]["code"] == "replica_refused"
+        r = admin.post("/replicas/control", json={"url": "http://127.0.0.1:9", "action": "resume"}, headers=as_admin)
+        assert r.status_code == 404 and r.json()["error"]["code"] == "unknown_replica"
+        r = admin.post("/replicas/control", json={"url": url, "action": "shutdown"}, headers=as_admin)
+        assert r.status_code == 400  # only the fixed set of actions
+
+
 def test_random_paths_add_no_metric_series(proxy_for: ProxyFactory, replica: tuple[str, FaultReplica]) -> None:
     with proxy_for([replica[0]]) as proxy, httpx.Client(base_url=proxy.url, timeout=30) as client:
         client.post("/v1/chat/completions", json=CHAT)

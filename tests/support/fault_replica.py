@@ -9,7 +9,7 @@ picks the behaviour:
   {"sleep_s": 1.0}                     wait before a non-streamed answer
   {"pad_bytes": 1000000}               a non-streamed answer whose content is that many bytes long
 `stats` counts requests and how many streams ended because the client went away, and
-lists every path asked for other than the probes (`/health`, `/metrics`).
+lists every path asked for other than the probes (`/health`, `/metrics`) and the model list.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ class FaultStats:
     completed: int = 0
     bodies: list[dict[str, Any]] = field(default_factory=list)
     headers: list[dict[str, str]] = field(default_factory=list)  # each request's headers, lower-cased names
-    paths: list[str] = field(default_factory=list)  # raw paths, probes left out
+    paths: list[str] = field(default_factory=list)  # raw paths; probes and /v1/models left out
 
 
 class FaultReplica:
@@ -67,10 +67,10 @@ class FaultReplica:
             await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
             await send({"type": "http.response.body", "body": data})
             return
-        self.stats.paths.append(scope.get("raw_path", path.encode()).decode("latin-1"))
         if path == "/v1/models":
             await self._json(send, 200, {"object": "list", "data": [{"id": MODEL, "object": "model"}]})
             return
+        self.stats.paths.append(scope.get("raw_path", path.encode()).decode("latin-1"))
         body = b""
         while True:
             message = await receive()
