@@ -7,6 +7,8 @@ Two ways, measured on vLLM's own server (ARCHITECTURE.md, "Weight push"):
 - Full weights (replicas with `VLLM_SERVER_DEV_MODE=1`): the proxy pauses admission and
   waits for calls in flight, then per replica `/pause?mode=wait`, `/collective_rpc`
   `reload_weights`, `/reset_prefix_cache`, `/resume`; the proxy resumes.
+Every replica call goes through the proxy's admin API (`POST /admin/replicas/control`), so
+the trainer needs the proxy and its admin token, never a route to the replicas.
 A replica takes one mode, not both; the proxy knows each replica's mode and the push
 refuses a mode the replicas were not started for. A replica that fails the push is
 drained through the proxy: never left serving an old policy silently. Only then does the
@@ -106,7 +108,7 @@ class WeightPusher:
         for replica in self.replicas("lora"):
             url = replica["url"]
             try:
-                self._post(url, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(adapter_dir)})
+                self._control(url, "load_lora_adapter", {"lora_name": name, "lora_path": str(adapter_dir)})
                 self._unload_old(url, version)
             except (httpx.HTTPError, PushError) as exc:
                 self._drain(url, str(exc))
@@ -125,9 +127,10 @@ class WeightPusher:
         stale = version - self._keep_loaded
         if stale < 1:
             return
-        r = self._http.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": lora_name(stale)})
-        if r.status_code >= 400 and r.status_code != 404:
-            logger.warning("replica %s: unloading %s answered %s", url, lora_name(stale), r.status_code)
+        try:
+            self._control(url, "unload_lora_adapter", {"lora_name": lora_name(stale)})
+        except PushError as exc:  # already gone (404) or refused: the version is unused either way
+            logger.warning("replica %s: unloading %s: %s", url, lora_name(stale), exc)
 
     # -- full weights --------------------------------------------------------------------
 
@@ -141,11 +144,11 @@ class WeightPusher:
             for replica in replicas:
                 url = replica["url"]
                 try:
-                    self._post(url, "/pause?mode=wait", None)
-                    self._post(url, "/collective_rpc", {"method": "reload_weights",
-                                                         "kwargs": {"weights_path": str(weights_dir)}})
-                    self._post(url, "/reset_prefix_cache", None)
-                    self._post(url, "/resume", None)
+                    self._control(url, "pause", None, {"mode": "wait"})
+                    self._control(url, "collective_rpc", {"method": "reload_weights",
+                                                          "kwargs": {"weights_path": str(weights_dir)}})
+                    self._control(url, "reset_prefix_cache", None)
+                    self._control(url, "resume", None)
                 except (httpx.HTTPError, PushError) as exc:
                     self._drain(url, str(exc))
                     result.drained.append(url)
@@ -160,7 +163,7 @@ class WeightPusher:
         result.seconds = time.perf_counter() - started
         return result
 
-    def _post(self, url: str, path: str, body: dict[str, Any] | None) -> None:
-        r = self._http.post(f"{url}{path}", json=body) if body is not None else self._http.post(f"{url}{path}")
-        if r.status_code >= 400:
-            raise PushError(f"{url}{path}: {r.status_code} {r.text[:300]}")
+    def _control(self, url: str, action: str, body: dict[str, Any] | None,
+                 params: dict[str, str] | None = None) -> None:
+        """One of the replica's control routes, through the proxy's admin API (PushError when refused)."""
+        self._admin("POST", "/replicas/control", json={"url": url, "action": action, "body": body, "params": params})
