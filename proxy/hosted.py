@@ -81,8 +81,9 @@ class HostedModels:
         call.t_first_byte = time.perf_counter()
         call.http_status = 200
         if not call.is_streaming:
-            call.body = orjson.dumps(result.model_dump(exclude_none=True))
-            return Response(call.body, media_type="application/json", headers=call.headers())
+            body = orjson.dumps(result.model_dump(exclude_none=True))
+            relay.keep(call, body)  # the record's copy is cut at recorder.max_body_bytes; the client gets all
+            return Response(body, media_type="application/json", headers=call.headers())
 
         async def chunks() -> AsyncIterator[bytes]:
             async for chunk in result:

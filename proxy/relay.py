@@ -294,13 +294,17 @@ class Relay:
         finally:
             call.upstream_s += time.perf_counter() - started
             upstream.release()
-        if len(body) > self._max_body:  # kept cut, as for streams; the client still gets it whole
-            call.body, call.truncated = body[:self._max_body], True
-        else:
-            call.body = body
+        self.keep(call, body)
         if upstream.status >= 400:
             call.status = CallStatus.UPSTREAM_ERROR
         return Response(body, status_code=upstream.status, media_type=content_type or None, headers=call.headers())
+
+    def keep(self, call: CallState, body: bytes) -> None:
+        """Keep a whole response for the record, cut at `recorder.max_body_bytes` as streams are."""
+        if len(body) > self._max_body:
+            call.body, call.truncated = body[:self._max_body], True
+        else:
+            call.body = body
 
     def _stream(self, call: CallState, replica: ReplicaState, upstream: aiohttp.ClientResponse,
                 content_type: str) -> RelayStream:

@@ -78,7 +78,7 @@ def outage(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Outage]:
 def _settings(outage: Outage, replica: str, spool: Path) -> Settings:
     return Settings(
         db={"url": outage.proxy_url, "sqlite_busy_timeout_ms": 200},
-        proxy={"replicas": [replica], "port": 0, "health_interval_s": 0.5, "shutdown_timeout_s": 10,
+        proxy={"replicas": [replica], "port": 0, "health_interval_s": 0.5, "shutdown_timeout_s": 10, "open_access": True,
                "recorder": {"spool_dir": str(spool), "retry_interval_s": 0.2}},
     )
 
