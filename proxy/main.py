@@ -1,6 +1,7 @@
 """`rolltap-proxy`: command line, logging, migrations, then uvicorn.
 
     rolltap-proxy --replica URL [--replica URL ...] --db URL --host H --port P
+    rolltap-proxy spool list|replay [--spool-dir D] [--db URL]   (see proxy/spool_cli.py)
 
 Every flag has an environment equivalent (`ROLLTAP_PROXY__REPLICAS`, `ROLLTAP_DB__URL`,
 `ROLLTAP_PROXY__HOST`, `ROLLTAP_PROXY__PORT`, ...) and a config-file key
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import logging
 import signal
+import sys
 from typing import Any
 
 import uvicorn
@@ -53,6 +55,11 @@ def _exit_cleanly(signum: int, frame: object) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    args = sys.argv[1:] if argv is None else argv
+    if args[:1] == ["spool"]:
+        from proxy.spool_cli import spool_main  # a maintenance command: no server, no uvicorn set-up
+
+        raise SystemExit(spool_main(args[1:]))
     settings = parse_settings(argv)
     level = settings.proxy.log_level.upper()
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

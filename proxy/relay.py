@@ -23,7 +23,6 @@ from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
-import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -39,6 +38,7 @@ from proxy.upstream import Upstream, forwardable_headers
 from shared.errors import InvalidRequest, RolltapError, UpstreamUnavailable
 from shared.settings import ProxySettings
 from shared.types import CallRecord, CallStatus, Route
+from shared.verbatim import ExactJsonError, dumps_exact, loads_exact
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Span
@@ -101,6 +101,7 @@ class CallState:
     error: dict[str, Any] | None = None
     body: bytes = b""
     truncated: bool = False
+    request_body: bytes | None = None  # exactly what the client sent
     span: Span | None = None  # its trace span, when tracing is on
 
     @property
@@ -155,7 +156,7 @@ class Relay:
         finishes_later = False  # a stream records itself when it ends
         try:
             await self._admission.admit()
-            raw = await request.body()
+            raw = call.request_body = await request.body()
             if self._hosted is not None and (model := self._hosted.model_of(raw)) is not None:
                 response = await self._hosted.handle(self, call, route, raw, model)
                 finishes_later = isinstance(response, RelayStream)
@@ -166,7 +167,7 @@ class Relay:
             headers = forwardable_headers(request.headers)
             if call.span is not None:  # no per-call work at all while tracing is off
                 headers |= self.trace_headers(call)
-            upstream, replica = await self._send(call, orjson.dumps(body), headers)
+            upstream, replica = await self._send(call, dumps_exact(body), headers)
             content_type = upstream.headers.get("content-type", "")
             if upstream.status == 200 and content_type.startswith("text/event-stream"):
                 finishes_later = True
@@ -238,8 +239,8 @@ class Relay:
     def parse(self, call: CallState, raw: bytes, *, rewrite: bool) -> dict[str, Any]:
         """Validate the body and fill the call's request fields; tracked calls get exact tokens asked for."""
         try:
-            body = orjson.loads(raw)
-        except orjson.JSONDecodeError as exc:
+            body = loads_exact(raw)  # also what orjson refuses but JSON allows (lone surrogates, ...)
+        except ExactJsonError as exc:
             call.request = {"raw": raw[:4096].decode("utf-8", "replace")}
             raise InvalidRequest(f"request body is not valid JSON: {exc}", code="invalid_json") from exc
         if not isinstance(body, dict):
@@ -342,6 +343,8 @@ class Relay:
             error=call.error,
             request=call.request,
             response_truncated=call.truncated,
+            request_body=call.request_body,
+            response_body=call.body or None,
             replica=call.replica,
             policy_version=call.policy_version,
             requested_model=call.requested_model,
@@ -366,8 +369,8 @@ def _fill_response(record: CallRecord, call: CallState) -> None:
         response: Any = assemble_stream(call.route, events)
     else:
         try:
-            response = orjson.loads(call.body)
-        except orjson.JSONDecodeError:
+            response = loads_exact(call.body)
+        except ExactJsonError:
             response = {"raw": call.body[:4096].decode("utf-8", "replace")}
     record.response = response
     fields = extract(call.route, response)

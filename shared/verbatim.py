@@ -1,0 +1,120 @@
+"""Exact JSON: parsing what any client or model can send, and storing it on either database.
+
+A call is kept twice (`docs/recording.md`): its bytes exactly as they crossed the wire
+(`calls.request_body`, `calls.response_body`), and a parsed, queryable copy in the JSON
+columns. PostgreSQL's JSONB cannot hold every JSON value: it rejects U+0000 in a string,
+and no database driver can encode a lone surrogate (`"\\ud800"`, which JSON allows as an
+escape and vLLM accepts). `db_safe` makes the queryable copy storable (U+0000 and lone
+surrogates become U+FFFD, non-finite numbers null) and says whether it had to change
+anything; when it did, `dumps_exact` keeps the exact values as ASCII JSON text beside it
+(`calls.json_exact`), and readers overlay them (`overlay_exact`).
+
+This module must stay free of web and database imports: the proxy and the trainer use it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from typing import Any
+
+import orjson
+
+__all__ = [
+    "ExactJsonError",
+    "db_safe",
+    "db_safe_text",
+    "dumps_exact",
+    "loads_exact",
+    "overlay_exact",
+]
+
+# U+0000 (JSONB rejects it) and lone surrogates (no UTF-8 encoding exists for them).
+_UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
+_REPLACEMENT = "\ufffd"
+
+
+class ExactJsonError(ValueError):
+    """The bytes are not JSON (nor the relaxed JSON vLLM accepts)."""
+
+
+def _no_constants(name: str) -> Any:
+    # NaN and Infinity literals are not JSON; orjson refuses them too.
+    raise ExactJsonError(f"{name} is not valid JSON")
+
+
+def loads_exact(raw: bytes | str, *, allow_nonfinite: bool = False) -> Any:
+    """Parse JSON, keeping what orjson refuses but JSON allows: lone surrogate escapes, numbers
+    outside float64 (integers stay exact, an out-of-range float becomes +-inf), nesting deeper
+    than orjson's limit. orjson first (fast); the stdlib only when orjson says no.
+    `allow_nonfinite`: read back `Infinity` as `dumps_exact` writes it (our own text only)."""
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError as first:
+        try:
+            # `json.loads(bytes)` decodes strict UTF-8 (invalid bytes are an error, as they should be).
+            if allow_nonfinite:
+                return json.loads(raw)
+            return json.loads(raw, parse_constant=_no_constants)
+        except (ValueError, RecursionError, UnicodeDecodeError) as exc:
+            raise ExactJsonError(str(first)) from exc
+
+
+def dumps_exact(value: Any) -> bytes:
+    """JSON bytes for any value `loads_exact` returns; ASCII (escapes) when orjson cannot write it."""
+    try:
+        return orjson.dumps(value)
+    except (TypeError, orjson.JSONEncodeError):
+        # Lone surrogates, integers beyond 64 bits, nesting deeper than orjson writes.
+        return json.dumps(value, ensure_ascii=True, separators=(",", ":")).encode()
+
+
+def db_safe_text(value: str | None, max_len: int | None = None) -> str | None:
+    """A string column's copy: storable on both databases and within the column's length."""
+    if value is None:
+        return None
+    if _UNSTORABLE.search(value):
+        value = _UNSTORABLE.sub(_REPLACEMENT, value)
+    return value[:max_len] if max_len is not None else value
+
+
+def db_safe(value: Any) -> tuple[Any, bool, bytes | None]:
+    """The storable copy of a JSON value, whether it differs from `value`, and its orjson
+    encoding when `value` itself was storable (so the writer need not encode it again).
+
+    Cost: a value without U+0000, surrogates or non-finite floats is returned as it is after
+    one orjson pass (the common case); only the others are walked.
+    """
+    if value is None:
+        return None, False, None
+    try:
+        text = orjson.dumps(value, option=orjson.OPT_NON_STR_KEYS)
+    except (TypeError, orjson.JSONEncodeError):
+        return _walk(value), True, None
+    if b"\\u0000" not in text:
+        # orjson writes a non-finite float as null; only `loads_exact`'s stdlib fallback makes
+        # them, and its values with surrogates or wide integers take the walk below.
+        return value, False, text
+    walked = _walk(value)
+    return walked, walked != value, None
+
+
+def _walk(value: Any) -> Any:
+    if isinstance(value, str):
+        return _UNSTORABLE.sub(_REPLACEMENT, value) if _UNSTORABLE.search(value) else value
+    if isinstance(value, dict):
+        return {_walk(k) if isinstance(k, str) else k: _walk(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_walk(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def overlay_exact(json_exact: str | None, fields: dict[str, Any]) -> dict[str, Any]:
+    """`fields` (read from the queryable columns) with the exact values kept beside them, if any."""
+    if json_exact is None:
+        return fields
+    exact = loads_exact(json_exact, allow_nonfinite=True)
+    return {**fields, **{k: v for k, v in exact.items() if k in fields}}
