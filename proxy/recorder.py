@@ -104,7 +104,7 @@ class Spool:
     @staticmethod
     def read_lines(path: Path) -> list[dict[str, Any]]:
         lines = path.read_bytes().splitlines()
-        return [loads_exact(line, allow_nonfinite=True) for line in lines if line.strip()]
+        return [loads_exact(line) for line in lines if line.strip()]
 
 
 DEAD_REASON = "_dead_reason"  # on each line of a dead-letter file: why the database refused it

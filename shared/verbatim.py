@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from typing import Any
 
@@ -23,6 +24,7 @@ import orjson
 
 __all__ = [
     "ExactJsonError",
+    "WideNumber",
     "db_safe",
     "db_safe_text",
     "dumps_exact",
@@ -39,24 +41,43 @@ class ExactJsonError(ValueError):
     """The bytes are not JSON (nor the relaxed JSON vLLM accepts)."""
 
 
+class WideNumber(float):
+    """A JSON number float64 cannot hold (`1e400`): its value is +-inf, and its text is kept so
+    that it is written back as the client wrote it (orjson refuses float subclasses, so such a
+    value always takes the stdlib path below)."""
+
+    text: str
+
+    def __new__(cls, text: str) -> WideNumber:
+        number = super().__new__(cls, text)
+        number.text = text
+        return number
+
+
+def _parse_float(text: str) -> float:
+    number = float(text)
+    return WideNumber(text) if math.isinf(number) else number
+
+
+# A string no client sends by chance marks where a wide number's literal goes back in.
+_PLACEHOLDER = "\x00rolltap-wide-number-" + os.urandom(8).hex() + "-"
+
+
 def _no_constants(name: str) -> Any:
     # NaN and Infinity literals are not JSON; orjson refuses them too.
     raise ExactJsonError(f"{name} is not valid JSON")
 
 
-def loads_exact(raw: bytes | str, *, allow_nonfinite: bool = False) -> Any:
+def loads_exact(raw: bytes | str) -> Any:
     """Parse JSON, keeping what orjson refuses but JSON allows: lone surrogate escapes, numbers
-    outside float64 (integers stay exact, an out-of-range float becomes +-inf), nesting deeper
-    than orjson's limit. orjson first (fast); the stdlib only when orjson says no.
-    `allow_nonfinite`: read back `Infinity` as `dumps_exact` writes it (our own text only)."""
+    outside float64 (integers stay exact, a float beyond it a `WideNumber`), nesting deeper
+    than orjson's limit. orjson first (fast); the stdlib only when orjson says no."""
     try:
         return orjson.loads(raw)
     except orjson.JSONDecodeError as first:
         try:
             # `json.loads(bytes)` decodes strict UTF-8 (invalid bytes are an error, as they should be).
-            if allow_nonfinite:
-                return json.loads(raw)
-            return json.loads(raw, parse_constant=_no_constants)
+            return json.loads(raw, parse_float=_parse_float, parse_constant=_no_constants)
         except (ValueError, RecursionError, UnicodeDecodeError) as exc:
             raise ExactJsonError(str(first)) from exc
 
@@ -66,8 +87,25 @@ def dumps_exact(value: Any) -> bytes:
     try:
         return orjson.dumps(value)
     except (TypeError, orjson.JSONEncodeError):
-        # Lone surrogates, integers beyond 64 bits, nesting deeper than orjson writes.
-        return json.dumps(value, ensure_ascii=True, separators=(",", ":")).encode()
+        # Lone surrogates, integers beyond 64 bits, wide numbers, nesting deeper than orjson writes.
+        literals: list[str] = []
+        text = json.dumps(_mark_wide(value, literals), ensure_ascii=True, separators=(",", ":"), allow_nan=False)
+        for i, literal in enumerate(literals):
+            text = text.replace(json.dumps(f"{_PLACEHOLDER}{i}"), literal, 1)
+        return text.encode()
+
+
+def _mark_wide(value: Any, literals: list[str]) -> Any:
+    if isinstance(value, WideNumber):
+        literals.append(value.text)
+        return f"{_PLACEHOLDER}{len(literals) - 1}"
+    if isinstance(value, dict):
+        return {k: _mark_wide(v, literals) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_mark_wide(v, literals) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return None  # not JSON; only a wide number (above) can make one
+    return value
 
 
 def db_safe_text(value: str | None, max_len: int | None = None) -> str | None:
@@ -116,5 +154,5 @@ def overlay_exact(json_exact: str | None, fields: dict[str, Any]) -> dict[str, A
     """`fields` (read from the queryable columns) with the exact values kept beside them, if any."""
     if json_exact is None:
         return fields
-    exact = loads_exact(json_exact, allow_nonfinite=True)
+    exact = loads_exact(json_exact)
     return {**fields, **{k: v for k, v in exact.items() if k in fields}}
