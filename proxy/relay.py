@@ -23,6 +23,7 @@ from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
+import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -38,7 +39,7 @@ from proxy.upstream import Upstream, forwardable_headers
 from shared.errors import InvalidRequest, RolltapError, UpstreamUnavailable
 from shared.settings import ProxySettings
 from shared.types import CallRecord, CallStatus, Route
-from shared.verbatim import ExactJsonError, dumps_exact, loads_exact
+from shared.verbatim import MAX_DEPTH, ExactJsonError, depth_of, dumps_exact, loads_exact
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Span
@@ -167,7 +168,7 @@ class Relay:
             headers = forwardable_headers(request.headers)
             if call.span is not None:  # no per-call work at all while tracing is off
                 headers |= self.trace_headers(call)
-            upstream, replica = await self._send(call, dumps_exact(body), headers)
+            upstream, replica = await self._send(call, self.payload(call, body), headers)
             content_type = upstream.headers.get("content-type", "")
             if upstream.status == 200 and content_type.startswith("text/event-stream"):
                 finishes_later = True
@@ -256,6 +257,19 @@ class Relay:
         call.served_model = body.get("model") if isinstance(body.get("model"), str) else None
         call.request = body
         return body
+
+    @staticmethod
+    def payload(call: CallState, body: dict[str, Any]) -> bytes:
+        """The body to send upstream. Refused (400, recorded with its exact bytes) only when it
+        nests deeper than `MAX_DEPTH` (orjson reads 1024 levels, writes 255; see shared/verbatim.py)."""
+        try:
+            return orjson.dumps(body)
+        except (TypeError, orjson.JSONEncodeError):
+            pass  # lone surrogates, wide numbers or deep nesting: the exact writer, within limits
+        if depth_of(body) > MAX_DEPTH:
+            call.request = None  # the parsed copy is too deep to store as well; `request_body` has it
+            raise InvalidRequest(f"request body nests deeper than {MAX_DEPTH} levels", code="nesting_too_deep")
+        return dumps_exact(body)
 
     @staticmethod
     def _ask_for_tokens(route: str, body: dict[str, Any]) -> None:

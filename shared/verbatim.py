@@ -27,6 +27,8 @@ __all__ = [
     "WideNumber",
     "db_safe",
     "db_safe_text",
+    "MAX_DEPTH",
+    "depth_of",
     "dumps_exact",
     "loads_exact",
     "overlay_exact",
@@ -83,13 +85,17 @@ def loads_exact(raw: bytes | str) -> Any:
 
 
 def dumps_exact(value: Any) -> bytes:
-    """JSON bytes for any value `loads_exact` returns; ASCII (escapes) when orjson cannot write it."""
+    """JSON bytes for any value `loads_exact` returns; ASCII (escapes) when orjson cannot write it.
+    `ExactJsonError` for nesting deeper than the stdlib can write (about 900 levels)."""
     try:
         return orjson.dumps(value)
     except (TypeError, orjson.JSONEncodeError):
         # Lone surrogates, integers beyond 64 bits, wide numbers, nesting deeper than orjson writes.
         literals: list[str] = []
-        text = json.dumps(_mark_wide(value, literals), ensure_ascii=True, separators=(",", ":"), allow_nan=False)
+        try:
+            text = json.dumps(_mark_wide(value, literals), ensure_ascii=True, separators=(",", ":"), allow_nan=False)
+        except RecursionError as exc:  # orjson reads 1024 levels but writes 255; the stdlib ~900
+            raise ExactJsonError("JSON nested too deeply to write") from exc
         for i, literal in enumerate(literals):
             text = text.replace(json.dumps(f"{_PLACEHOLDER}{i}"), literal, 1)
         return text.encode()
@@ -99,13 +105,39 @@ def _mark_wide(value: Any, literals: list[str]) -> Any:
     if isinstance(value, WideNumber):
         literals.append(value.text)
         return f"{_PLACEHOLDER}{len(literals) - 1}"
+    # Plain loops, not comprehensions: a comprehension is a second stack frame per level.
     if isinstance(value, dict):
-        return {k: _mark_wide(v, literals) for k, v in value.items()}
+        marked: dict[Any, Any] = {}
+        for k, v in value.items():
+            marked[k] = _mark_wide(v, literals)
+        return marked
     if isinstance(value, list):
-        return [_mark_wide(v, literals) for v in value]
+        items = []
+        for v in value:
+            items.append(_mark_wide(v, literals))
+        return items
     if isinstance(value, float) and not math.isfinite(value):
         return None  # not JSON; only a wide number (above) can make one
     return value
+
+
+# Deepest nesting the proxy forwards and stores. orjson reads 1024 levels but writes 255;
+# deeper values take the stdlib, whose recursion (about 1000 frames, shared with the server's
+# own stack) needs this margin: a deeper body is refused with 400 and recorded as sent.
+MAX_DEPTH = 512
+
+
+def depth_of(value: Any) -> int:
+    """How deeply lists and objects nest in `value` (iterative: no recursion limit here)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            item = list(item.values())
+        if isinstance(item, list):
+            deepest = max(deepest, depth)
+            stack.extend((child, depth + 1) for child in item)
+    return deepest
 
 
 def db_safe_text(value: str | None, max_len: int | None = None) -> str | None:
@@ -129,7 +161,8 @@ def db_safe(value: Any) -> tuple[Any, bool, bytes | None]:
     try:
         text = orjson.dumps(value, option=orjson.OPT_NON_STR_KEYS)
     except (TypeError, orjson.JSONEncodeError):
-        return _walk(value), True, None
+        walked = _walk(value)  # surrogates, wide numbers, or only nesting orjson will not write
+        return walked, walked != value, None
     if b"\\u0000" not in text:
         # orjson writes a non-finite float as null; only `loads_exact`'s stdlib fallback makes
         # them, and its values with surrogates or wide integers take the walk below.
@@ -141,10 +174,16 @@ def db_safe(value: Any) -> tuple[Any, bool, bytes | None]:
 def _walk(value: Any) -> Any:
     if isinstance(value, str):
         return _UNSTORABLE.sub(_REPLACEMENT, value) if _UNSTORABLE.search(value) else value
-    if isinstance(value, dict):
-        return {_walk(k) if isinstance(k, str) else k: _walk(v) for k, v in value.items()}
+    if isinstance(value, dict):  # loops, not comprehensions: one stack frame per level (see MAX_DEPTH)
+        walked: dict[Any, Any] = {}
+        for k, v in value.items():
+            walked[_walk(k) if isinstance(k, str) else k] = _walk(v)
+        return walked
     if isinstance(value, list):
-        return [_walk(v) for v in value]
+        items = []
+        for v in value:
+            items.append(_walk(v))
+        return items
     if isinstance(value, float) and not math.isfinite(value):
         return None
     return value

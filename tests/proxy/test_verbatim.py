@@ -26,6 +26,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from shared.verbatim import MAX_DEPTH
 from tests.conftest import DB_KINDS, make_settings
 from tests.support.databases import database
 from tests.support.fault_replica import FaultReplica
@@ -90,7 +91,7 @@ def request_bodies(draw: st.DrawFn) -> tuple[bytes, str, bool]:
     prompt = draw(texts)
     stream = draw(st.booleans())
     ascii_only = draw(st.booleans())
-    depth = draw(st.integers(0, 300))
+    depth = draw(st.integers(0, MAX_DEPTH - 3))  # orjson writes 255 levels: deeper takes the stdlib
     nested = "[" * depth + draw(numbers) + "]" * depth
     extra = draw(st.lists(st.tuples(st.sampled_from(["x_a", "x_b"]), texts), max_size=2, unique_by=lambda kv: kv[0]))
     fields = [
@@ -167,6 +168,18 @@ def test_invalid_utf8_from_client_and_replica_is_kept_byte_for_byte(proxy: Runni
     assert body_bytes(call, "response_body") == b"".join(chunks)
     # The parsed copy reads the bad byte as U+FFFD, and the split character whole.
     assert call["response"]["choices"][0]["message"]["content"] == "a\ufffdb€"
+
+
+@pytest.mark.parametrize("depth", [MAX_DEPTH, 1000])
+def test_nesting_too_deep_to_forward_is_refused_and_recorded_exactly(proxy: RunningProxy, depth: int) -> None:
+    # `depth` lists inside the body object: one level more than the limit.
+    raw = b'{"model":"m","messages":[{"role":"user","content":"hi"}],"x":' + b"[" * depth + b"]" * depth + b"}"
+    with httpx.Client(timeout=30) as http:
+        refused = http.post(f"{proxy.base_url(f'deep{depth}', '0')}/chat/completions", content=raw,
+                            headers={"content-type": "application/json"})
+        assert refused.status_code == 400 and refused.json()["error"]["code"] == "nesting_too_deep"
+        call = only_call(http, proxy, f"deep{depth}")
+    assert call["status"] == "invalid_request" and body_bytes(call, "request_body") == raw
 
 
 def test_a_body_at_the_size_limit_is_kept_whole(proxy: RunningProxy) -> None:
