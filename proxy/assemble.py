@@ -12,9 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import orjson
-
 from shared.types import Route
+from shared.verbatim import ExactJsonError, loads_exact
 
 __all__ = ["Extract", "assemble_stream", "extract"]
 
@@ -33,8 +32,8 @@ class Extract:
 
 def _loads(data: str) -> Any:
     try:
-        return orjson.loads(data)
-    except orjson.JSONDecodeError:
+        return loads_exact(data)  # lone surrogate escapes too: a model can emit them
+    except ExactJsonError:
         return None
 
 

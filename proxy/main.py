@@ -2,6 +2,7 @@
 
     rolltap-proxy --replica URL [--replica URL ...] --db URL --host H --port P
     rolltap-proxy keys create|list|revoke ...      (agent keys; see `proxy.keystore`)
+    rolltap-proxy spool list|replay [--spool-dir D] [--db URL]   (see proxy/spool_cli.py)
 
 Every flag has an environment equivalent (`ROLLTAP_PROXY__REPLICAS`, `ROLLTAP_DB__URL`,
 `ROLLTAP_PROXY__HOST`, `ROLLTAP_PROXY__PORT`, ...) and a config-file key
@@ -60,6 +61,10 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["keys"]:
         raise SystemExit(keys_cli(argv[1:]))
+    if argv[:1] == ["spool"]:
+        from proxy.spool_cli import spool_main  # a maintenance command: no server, no uvicorn set-up
+
+        raise SystemExit(spool_main(argv[1:]))
     settings = parse_settings(argv)
     level = settings.proxy.log_level.upper()
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -13,9 +13,11 @@ from prometheus_client import Counter, Gauge, Histogram
 from shared.types import Route
 
 __all__ = [
+    "DEAD_LETTER_RECORDS",
     "RECORDER_QUEUE",
     "RECORDER_WRITE_SECONDS",
     "RECORDS_SPOOLED",
+    "RECORDS_UNDURABLE",
     "RECORDS_WRITTEN",
     "REQUESTS",
     "ROUTES",
@@ -41,3 +43,10 @@ RECORDER_WRITE_SECONDS = Histogram(
 )
 RECORDS_WRITTEN = Counter("rolltap_records_written_total", "Call records committed to the database")
 RECORDS_SPOOLED = Counter("rolltap_records_spooled_total", "Call records spooled to disk during an outage")
+RECORDS_UNDURABLE = Counter(
+    "rolltap_records_undurable_total",
+    "Call records the database refused (not an outage), kept in the dead-letter spool until replayed",
+)
+DEAD_LETTER_RECORDS = Gauge(
+    "rolltap_dead_letter_records", "Call records waiting in the dead-letter spool (`rolltap-proxy spool list`)"
+)

@@ -27,18 +27,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import orjson
 from sqlalchemy import Engine
-from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from proxy import metrics
-from proxy.store import write_calls, write_calls_sync
+from proxy.outage import is_outage
+from proxy.store import add_undurable_sync, write_calls, write_calls_sync
 from shared.errors import DatabaseUnavailable
 from shared.settings import RecorderSettings
 from shared.types import CallRecord
+from shared.verbatim import dumps_exact, loads_exact
 
-__all__ = ["Recorder"]
+__all__ = ["DEAD_REASON", "Recorder", "Spool"]
 
 logger = logging.getLogger(__name__)
 
@@ -67,15 +68,6 @@ class _Stop:
 Item = CallRecord | _OpItem | _Stop
 
 
-def _is_outage(exc: BaseException) -> bool:
-    """Errors that mean "the database is not there", worth spooling for, not bugs in a batch."""
-    if isinstance(exc, IntegrityError):
-        return False
-    if isinstance(exc, DBAPIError):
-        return bool(exc.connection_invalidated) or isinstance(exc, OperationalError) or "connect" in str(exc).lower()
-    return isinstance(exc, (OSError, ConnectionError, asyncio.TimeoutError))
-
-
 class Spool:
     """Batches waiting on local disk, one fsynced JSON-lines file per batch, replayed in name order."""
 
@@ -88,14 +80,18 @@ class Spool:
             return []
         return sorted(p for p in self.directory.glob("*.jsonl") if p.is_file())
 
-    def write(self, records: list[CallRecord]) -> Path:
+    def write(self, records: list[CallRecord], reason: str | None = None) -> Path:
+        """`reason`: why the database refused these records (dead-letter files only)."""
         self.directory.mkdir(parents=True, exist_ok=True)
         self._seq += 1
         path = self.directory / f"{time.time_ns():020d}-{os.getpid()}-{self._seq:06d}.jsonl"
         tmp = path.with_suffix(".tmp")
         with open(tmp, "wb") as fh:
             for record in records:
-                fh.write(orjson.dumps(record.to_json()) + b"\n")
+                line = record.to_json()
+                if reason is not None:
+                    line[DEAD_REASON] = reason
+                fh.write(dumps_exact(line) + b"\n")  # exact: lone surrogates too
             fh.flush()
             os.fsync(fh.fileno())
         tmp.rename(path)  # atomic: a replay never sees half a batch
@@ -103,7 +99,15 @@ class Spool:
 
     @staticmethod
     def read(path: Path) -> list[CallRecord]:
-        return [CallRecord.from_json(orjson.loads(line)) for line in path.read_bytes().splitlines() if line.strip()]
+        return [CallRecord.from_json(line) for line in Spool.read_lines(path)]
+
+    @staticmethod
+    def read_lines(path: Path) -> list[dict[str, Any]]:
+        lines = path.read_bytes().splitlines()
+        return [loads_exact(line) for line in lines if line.strip()]
+
+
+DEAD_REASON = "_dead_reason"  # on each line of a dead-letter file: why the database refused it
 
 
 class Recorder:
@@ -271,7 +275,7 @@ class Recorder:
         try:
             await self._write(records)
         except Exception as exc:  # noqa: BLE001 - classified below, never swallowed silently
-            if _is_outage(exc):
+            if is_outage(exc):
                 self._on_outage(exc)
                 self._spool_write(records)
                 return
@@ -306,15 +310,43 @@ class Recorder:
             try:
                 await self._write([record], skip_existing=True)
             except Exception as exc:  # noqa: BLE001
-                if _is_outage(exc):
+                if is_outage(exc):
                     self._on_outage(exc)
                     self._spool_write([record])
                     continue
-                # Kept on disk for a human: never dropped, never retried forever.
-                dead = self._spool.directory / "dead"
-                logger.error("recorder: call %s cannot be written (%s); kept in %s", record.call_id, exc, dead)
-                Spool(dead).write([record])
+                await self._dead_letter(record, exc)
             self._done([record])
+
+    async def _dead_letter(self, record: CallRecord, exc: BaseException) -> None:
+        """Keep a record the database refused on disk for a human, and say so everywhere.
+
+        Never dropped, never retried forever: `rolltap-proxy spool replay` writes it once the
+        cause is fixed. Its `undurable_calls` row makes `finish` and GET attempt say so.
+        """
+        reason = f"{exc.__class__.__name__}: {str(getattr(exc, 'orig', None) or exc).splitlines()[0][:500]}"
+        dead = self._spool.directory / "dead"
+        logger.error("recorder: call %s cannot be written (%s); kept in %s", record.call_id, reason, dead)
+        Spool(dead).write([record], reason)
+        metrics.RECORDS_UNDURABLE.inc()
+        try:
+            if self._thread is not None and self._sync_engine is not None:
+                await asyncio.get_running_loop().run_in_executor(self._thread, self._note_undurable_sync,
+                                                                 record, reason)
+            else:
+                async with self._engine.begin() as conn:
+                    await conn.run_sync(add_undurable_sync, [record], reason)
+        except Exception:  # noqa: BLE001 - the dead-letter file is kept; /readyz counts it
+            logger.exception("recorder: could not note undurable call %s in the database", record.call_id)
+
+    def _note_undurable_sync(self, record: CallRecord, reason: str) -> None:
+        assert self._sync_engine is not None
+        with self._sync_engine.begin() as conn:
+            add_undurable_sync(conn, [record], reason)
+
+    @property
+    def dead_letter_records(self) -> int:
+        """Records in the dead-letter spool (a directory listing: cheap enough for /readyz)."""
+        return len(Spool(self._spool.directory / "dead").files())
 
     def _on_outage(self, exc: BaseException) -> None:
         if self.is_db_healthy:
@@ -331,7 +363,7 @@ class Recorder:
             try:
                 await self._write(records, skip_existing=True)
             except Exception as exc:  # noqa: BLE001
-                if _is_outage(exc):
+                if is_outage(exc):
                     self._on_outage(exc)
                     return False
                 logger.exception("recorder: spooled batch %s failed; writing one by one", path.name)
@@ -348,6 +380,17 @@ class Recorder:
         self._has_spool = False
         return True
 
+    def _op_error(self, exc: Exception) -> Exception:
+        """What a lifecycle call answers when its write failed: a database error is a 503 with
+        Retry-After (durability not confirmed), never a 500 that closes the client's connection."""
+        if is_outage(exc):
+            self._on_outage(exc)
+            return DatabaseUnavailable(f"database unreachable: {exc.__class__.__name__}", retry_after_s=1.0)
+        if isinstance(exc, DBAPIError):
+            logger.error("recorder: lifecycle write failed: %s", exc)
+            return DatabaseUnavailable(f"database write failed: {exc.__class__.__name__}", retry_after_s=1.0)
+        return exc
+
     async def _run_op(self, item: _OpItem) -> None:
         if item.future.done():
             return  # its caller gave up waiting
@@ -355,9 +398,7 @@ class Recorder:
             async with self._engine.begin() as conn:
                 result = await item.op(conn)
         except Exception as exc:  # noqa: BLE001 - handed to the waiting caller
-            if _is_outage(exc):
-                self._on_outage(exc)
-                exc = DatabaseUnavailable(f"database unreachable: {exc.__class__.__name__}", retry_after_s=1.0)
+            exc = self._op_error(exc)
             if not item.future.done():
                 item.future.set_exception(exc)
             return

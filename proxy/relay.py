@@ -41,6 +41,7 @@ from proxy.upstream import Upstream, forwardable_headers
 from shared.errors import InvalidRequest, RolltapError, UpstreamTimeout, UpstreamUnavailable
 from shared.settings import ProxySettings
 from shared.types import CallRecord, CallStatus, Route
+from shared.verbatim import MAX_DEPTH, ExactJsonError, depth_of, dumps_exact, loads_exact
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Span
@@ -103,6 +104,7 @@ class CallState:
     error: dict[str, Any] | None = None
     body: bytes = b""
     truncated: bool = False
+    request_body: bytes | None = None  # exactly what the client sent
     span: Span | None = None  # its trace span, when tracing is on
     agent: AgentKey | None = None  # the caller's key (None with open access)
     has_slot: bool = False  # counted in `Slots` until recorded
@@ -165,7 +167,7 @@ class Relay:
             self._slots.take(agent)
             call.has_slot = True
             await self._admission.admit()
-            raw = await read_body(request, self._max_request)
+            raw = call.request_body = await read_body(request, self._max_request)
             if self._hosted is not None and (model := self._hosted.model_of(raw)) is not None:
                 response = await self._hosted.handle(self, call, route, raw, model)
                 finishes_later = isinstance(response, RelayStream)
@@ -176,7 +178,7 @@ class Relay:
             headers = forwardable_headers(request.headers)
             if call.span is not None:  # no per-call work at all while tracing is off
                 headers |= self.trace_headers(call)
-            upstream, replica = await self._send(call, orjson.dumps(body), headers)
+            upstream, replica = await self._send(call, self.payload(call, body), headers)
             content_type = upstream.headers.get("content-type", "")
             if upstream.status == 200 and content_type.startswith("text/event-stream"):
                 finishes_later = True
@@ -248,8 +250,8 @@ class Relay:
     def parse(self, call: CallState, raw: bytes, *, rewrite: bool) -> dict[str, Any]:
         """Validate the body and fill the call's request fields; tracked calls get exact tokens asked for."""
         try:
-            body = orjson.loads(raw)
-        except orjson.JSONDecodeError as exc:
+            body = loads_exact(raw)  # also what orjson refuses but JSON allows (lone surrogates, ...)
+        except ExactJsonError as exc:
             call.request = {"raw": raw[:4096].decode("utf-8", "replace")}
             raise InvalidRequest(f"request body is not valid JSON: {exc}", code="invalid_json") from exc
         if not isinstance(body, dict):
@@ -265,6 +267,19 @@ class Relay:
         call.served_model = body.get("model") if isinstance(body.get("model"), str) else None
         call.request = body
         return body
+
+    @staticmethod
+    def payload(call: CallState, body: dict[str, Any]) -> bytes:
+        """The body to send upstream. Refused (400, recorded with its exact bytes) only when it
+        nests deeper than `MAX_DEPTH` (orjson reads 1024 levels, writes 255; see shared/verbatim.py)."""
+        try:
+            return orjson.dumps(body)
+        except (TypeError, orjson.JSONEncodeError):
+            pass  # lone surrogates, wide numbers or deep nesting: the exact writer, within limits
+        if depth_of(body) > MAX_DEPTH:
+            call.request = None  # the parsed copy is too deep to store as well; `request_body` has it
+            raise InvalidRequest(f"request body nests deeper than {MAX_DEPTH} levels", code="nesting_too_deep")
+        return dumps_exact(body)
 
     @staticmethod
     def _ask_for_tokens(route: str, body: dict[str, Any]) -> None:
@@ -367,6 +382,8 @@ class Relay:
             error=call.error,
             request=call.request,
             response_truncated=call.truncated,
+            request_body=call.request_body,
+            response_body=call.body or None,
             replica=call.replica,
             policy_version=call.policy_version,
             requested_model=call.requested_model,
@@ -392,8 +409,8 @@ def _fill_response(record: CallRecord, call: CallState) -> None:
         response: Any = assemble_stream(call.route, events)
     else:
         try:
-            response = orjson.loads(call.body)
-        except orjson.JSONDecodeError:
+            response = loads_exact(call.body)
+        except ExactJsonError:
             response = {"raw": call.body[:4096].decode("utf-8", "replace")}
     record.response = response
     fields = extract(call.route, response)

@@ -7,6 +7,7 @@ SQLite and PostgreSQL; the two upsert dialects are chosen in one helper.
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import json
 from collections import defaultdict
@@ -15,27 +16,41 @@ from operator import attrgetter
 from typing import Any
 
 import orjson
-from sqlalchemy import Connection, Insert, Integer, bindparam, func, select, update
+from sqlalchemy import Connection, Insert, Integer, bindparam, delete, func, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from shared.db.models import Attempt, Call, PolicyVersion, Replica, Reward, Rollout
+from shared.db.models import Attempt, Call, PolicyVersion, Replica, Reward, Rollout, UndurableCall
 from shared.errors import Conflict, NotFound
 from shared.types import CallRecord
+from shared.verbatim import db_safe, db_safe_text, dumps_exact, overlay_exact
 
 __all__ = [
     "add_reward",
+    "add_undurable_sync",
+    "body_text",
     "dumps_json",
     "finish_attempt",
     "load_active_policy",
     "read_attempt",
     "register_rollout",
+    "remove_undurable_sync",
     "save_base_policy",
     "set_active_policy",
+    "undurable_calls",
     "upsert_replica",
     "write_calls",
     "write_calls_sync",
 ]
+
+
+class Encoded:
+    """A JSON column value already encoded (by `_make_storable`): written as it is."""
+
+    __slots__ = ("text",)
+
+    def __init__(self, text: bytes) -> None:
+        self.text = text
 
 
 def dumps_json(value: Any) -> str:
@@ -44,6 +59,8 @@ def dumps_json(value: Any) -> str:
     Request and response bodies were parsed by orjson, so orjson can encode them; anything it
     refuses (a value from elsewhere) falls back to the stdlib, as before.
     """
+    if type(value) is Encoded:
+        return value.text.decode()
     try:
         return orjson.dumps(value, option=orjson.OPT_NON_STR_KEYS).decode()
     except TypeError:
@@ -81,10 +98,33 @@ _ROW_FIELDS = tuple(f.name for f in dataclasses.fields(CallRecord) if f.name != 
 _row_values = attrgetter(*_ROW_FIELDS)
 
 
+# String columns a client or replica fills, with their lengths (see `shared/db/models.py`).
+_TEXT_COLUMNS = {"requested_model": 256, "served_model": 256, "finish_reason": 32, "replica": 512}
+_EXACT_FIELDS = ("request", "response", "error")
+
+
 def _row(record: CallRecord, seq: int | None) -> dict[str, Any]:
     row = dict(zip(_ROW_FIELDS, _row_values(record), strict=True))
     row["seq"] = seq
+    _make_storable(row)
     return row
+
+
+def _make_storable(row: dict[str, Any]) -> None:
+    """Make the queryable copies storable on both databases, keeping exact values beside them.
+
+    The exact bytes are in `request_body`/`response_body`; this keeps the parsed JSON exact
+    too (`json_exact`) whenever JSONB or a driver could not take it as it is.
+    """
+    safe = {name: db_safe(row[name]) for name in _EXACT_FIELDS}
+    is_exact = not any(changed for _, changed, _ in safe.values())
+    # ASCII or UTF-8 JSON text: storable in a TEXT column on both databases.
+    row["json_exact"] = None if is_exact else dumps_exact({name: row[name] for name in _EXACT_FIELDS}).decode()
+    for name, (value, _, text) in safe.items():
+        row[name] = Encoded(text) if text is not None else value
+    row["usage"] = db_safe(row["usage"])[0]  # token ids and logprobs are numbers: storable as they are
+    for name, max_len in _TEXT_COLUMNS.items():
+        row[name] = db_safe_text(row[name], max_len)  # exact in the request or response
 
 
 # Built once: constructing these per batch cost more than running them.
@@ -213,6 +253,29 @@ async def finish_attempt(
         )
 
 
+async def undurable_calls(conn: AsyncConnection, rollout_id: str, attempt_id: str) -> list[dict[str, Any]]:
+    """Calls of the attempt whose record the database refused, and why (oldest first)."""
+    rows = await conn.execute(
+        select(UndurableCall.call_id, UndurableCall.reason)
+        .where(UndurableCall.rollout_id == rollout_id, UndurableCall.attempt_id == attempt_id)
+        .order_by(UndurableCall.created_at, UndurableCall.call_id)
+    )
+    return [dict(r) for r in rows.mappings()]
+
+
+def add_undurable_sync(conn: Connection, records: list[CallRecord], reason: str) -> None:
+    """Note records the database refused (their bodies wait in the dead-letter spool)."""
+    conn.execute(
+        _insert(conn, UndurableCall).on_conflict_do_nothing(index_elements=["call_id"]),
+        [{"call_id": r.call_id, "rollout_id": r.rollout_id, "attempt_id": r.attempt_id,
+          "reason": db_safe_text(reason)} for r in records],
+    )
+
+
+def remove_undurable_sync(conn: Connection, call_ids: list[str]) -> None:
+    conn.execute(delete(UndurableCall).where(UndurableCall.call_id.in_(call_ids)))
+
+
 def _iso(value: datetime | None) -> str | None:
     if value is None:
         return None
@@ -242,6 +305,13 @@ async def read_attempt(conn: AsyncConnection, rollout_id: str, attempt_id: str) 
             select(Call.__table__).where(Call.rollout_id == rollout_id, Call.attempt_id == attempt_id).order_by(Call.seq)
         )
     ).mappings()
+    undurable = (
+        await conn.execute(
+            select(UndurableCall.call_id, UndurableCall.reason, UndurableCall.created_at)
+            .where(UndurableCall.rollout_id == rollout_id, UndurableCall.attempt_id == attempt_id)
+            .order_by(UndurableCall.created_at, UndurableCall.call_id)
+        )
+    ).mappings().all()
     rewards = (
         await conn.execute(
             select(Reward.value, Reward.name, Reward.call_id, Reward.created_at)
@@ -259,16 +329,32 @@ async def read_attempt(conn: AsyncConnection, rollout_id: str, attempt_id: str) 
         "created_at": _iso(attempt["created_at"]),
         "finished_at": _iso(attempt["finished_at"]),
         "rewards": [{**r, "created_at": _iso(r["created_at"])} for r in rewards],
-        "calls": [
-            {
-                **{name: c[name] for name in _CALL_FIELDS},
-                "started_at": _iso(c["started_at"]),
-                "first_byte_at": _iso(c["first_byte_at"]),
-                "ended_at": _iso(c["ended_at"]),
-            }
-            for c in calls
-        ],
+        "calls": [_call_out(c) for c in calls],
+        # Calls this attempt made whose record the database refused (see `rolltap-proxy spool`).
+        "is_durable": not undurable,
+        "undurable_calls": [{**u, "created_at": _iso(u["created_at"])} for u in undurable],
     }
+
+
+def _call_out(call: Any) -> dict[str, Any]:
+    out = overlay_exact(call["json_exact"], {name: call[name] for name in _CALL_FIELDS})
+    out["started_at"] = _iso(call["started_at"])
+    out["first_byte_at"] = _iso(call["first_byte_at"])
+    out["ended_at"] = _iso(call["ended_at"])
+    for name in ("request_body", "response_body"):
+        out[name], out[f"{name}_encoding"] = body_text(call[name])
+    return out
+
+
+def body_text(raw: bytes | None) -> tuple[str | None, str | None]:
+    """Bytes as JSON can carry them exactly: the text when it is UTF-8, else base64."""
+    if raw is None:
+        return None, None
+    raw = bytes(raw)  # PostgreSQL drivers may hand back a memoryview
+    try:
+        return raw.decode("utf-8"), "utf-8"
+    except UnicodeDecodeError:
+        return base64.b64encode(raw).decode("ascii"), "base64"
 
 
 async def upsert_replica(conn: AsyncConnection, url: str, weight_mode: str, state: str) -> None:

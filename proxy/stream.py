@@ -88,7 +88,7 @@ class RelayStream(Response):
             try:
                 try:
                     async for chunk in self._chunks:
-                        if kept_bytes + len(chunk) <= self._max_kept:
+                        if not truncated and kept_bytes + len(chunk) <= self._max_kept:
                             kept.append(chunk)
                             kept_bytes += len(chunk)
                         else:
@@ -103,8 +103,10 @@ class RelayStream(Response):
                 except Exception as exc:  # noqa: BLE001 - any source failure ends the stream the same way
                     is_complete = True
                     error = self._on_source_error(exc)
-                    await send({"type": "http.response.body",
-                                "body": b"data: " + orjson.dumps({"error": error}) + b"\n\n", "more_body": False})
+                    event = b"data: " + orjson.dumps({"error": error}) + b"\n\n"
+                    if not truncated:
+                        kept.append(event)  # the record keeps the bytes the client got, this event too
+                    await send({"type": "http.response.body", "body": event, "more_body": False})
             except asyncio.CancelledError:
                 # Our own watcher's cancel ends the relay (the call is recorded below); any
                 # other cancellation (server shutdown) goes on up once the call is recorded.

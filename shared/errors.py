@@ -13,7 +13,9 @@
     ├── ServiceUnavailable (503, service_unavailable)
     │   ├── UpstreamUnavailable (503, upstream_unavailable): no replica could be reached
     │   └── DatabaseUnavailable (503, database_unavailable)
-    └── UpstreamTimeout (504, upstream_timeout)
+    ├── UpstreamTimeout (504, upstream_timeout)
+    └── NotDurable (507, storage_error, code=attempt_not_durable): a call record of the
+        attempt was refused by the database (not an outage); it waits in the dead-letter spool
 
 The proxy renders them as `{"error": {"message", "type", "param", "code"}}` in one
 handler (`proxy/errors.py`); nothing here imports a web framework.
@@ -28,6 +30,7 @@ __all__ = [
     "HeadersTooLarge",
     "InvalidId",
     "InvalidRequest",
+    "NotDurable",
     "NotFound",
     "PayloadTooLarge",
     "RolltapError",
@@ -123,3 +126,12 @@ class DatabaseUnavailable(ServiceUnavailable):
 class UpstreamTimeout(RolltapError):
     status_code = 504
     type = "upstream_timeout"
+
+
+class NotDurable(RolltapError):
+    # 507 Insufficient Storage: "unable to store the representation needed to complete the
+    # request". Not 500 (nothing crashed) and not 503 (retrying does not help until the cause
+    # is fixed and the record replayed).
+    status_code = 507
+    type = "storage_error"
+    code = "attempt_not_durable"

@@ -7,6 +7,7 @@ can be spooled to disk as JSON and read back unchanged.
 
 from __future__ import annotations
 
+import base64
 import re
 from dataclasses import asdict, dataclass, field, fields
 from datetime import datetime
@@ -78,6 +79,9 @@ class CallRecord:
     requested_model: str | None = None
     served_model: str | None = None
     first_byte_at: datetime | None = None
+    # The bytes exactly as they crossed the wire: from the client, and from the replica.
+    request_body: bytes | None = None
+    response_body: bytes | None = None
     # Arrival order inside this proxy process: breaks ties between equal start times.
     arrival: int = field(default=0, compare=False)
 
@@ -97,6 +101,9 @@ class CallRecord:
         for key in ("started_at", "ended_at", "first_byte_at"):
             if out[key] is not None:
                 out[key] = out[key].isoformat()
+        for key in _BYTE_FIELDS:
+            if out[key] is not None:
+                out[key] = base64.b64encode(out[key]).decode()
         return out
 
     @classmethod
@@ -106,4 +113,10 @@ class CallRecord:
         for key in ("started_at", "ended_at", "first_byte_at"):
             if values.get(key) is not None:
                 values[key] = datetime.fromisoformat(values[key])
+        for key in _BYTE_FIELDS:
+            if values.get(key) is not None:
+                values[key] = base64.b64decode(values[key])
         return cls(**values)
+
+
+_BYTE_FIELDS = ("request_body", "response_body")

@@ -41,8 +41,10 @@ from shared.db.models import (
     Reward,
     Rollout,
     TrainingStepAttempt,
+    UndurableCall,
 )
 from shared.settings import TrainerSettings
+from shared.verbatim import overlay_exact
 from trainer.consumption import chunks
 from trainer.records import AttemptRow, CallRow, Group, RewardRow
 
@@ -94,6 +96,10 @@ def eligible_attempts(settings: TrainerSettings, current_version: int) -> Select
             exists().where(same_attempt),
             ~exists().where(TrainingStepAttempt.attempt_pk == Attempt.id),
             ~exists().where(ExportAttempt.attempt_pk == Attempt.id),
+            # A call record the database refused waits in the proxy's dead-letter spool: the
+            # trajectory is incomplete until `rolltap-proxy spool replay` writes it.
+            ~exists().where(UndurableCall.rollout_id == Attempt.rollout_id,
+                            UndurableCall.attempt_id == Attempt.attempt_id),
         )
         .order_by(Attempt.id)
     )
@@ -184,6 +190,7 @@ def _load_calls(conn: Conn, pks: list[int], by_pk: dict[int, AttemptRow]) -> Non
             Call.policy_version,
             cast(Call.request, Text).label("request"),
             cast(Call.response, Text).label("response"),
+            Call.json_exact,
         )
         .join(Attempt, and_(Attempt.rollout_id == Call.rollout_id, Attempt.attempt_id == Call.attempt_id))
         .where(Attempt.id.in_(pks))
@@ -191,6 +198,8 @@ def _load_calls(conn: Conn, pks: list[int], by_pk: dict[int, AttemptRow]) -> Non
     )
     for row in conn.execute(stmt):
         attempt = by_pk[row[0]]
+        # The exact request/response when the stored copies had to change (U+0000 and the like).
+        exact = overlay_exact(row.json_exact, {"request": _json(row.request), "response": _json(row.response)})
         attempt.calls.append(
             CallRow(
                 call_id=row.call_id,
@@ -202,8 +211,8 @@ def _load_calls(conn: Conn, pks: list[int], by_pk: dict[int, AttemptRow]) -> Non
                 completion_logprobs=_json(row.completion_logprobs),
                 finish_reason=row.finish_reason,
                 policy_version=row.policy_version,
-                request=_json(row.request),
-                response=_json(row.response),
+                request=exact["request"],
+                response=exact["response"],
                 rollout_id=attempt.rollout_id,
                 attempt_id=attempt.attempt_id,
             )

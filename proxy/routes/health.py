@@ -10,6 +10,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, Gauge, generate_latest
 from sqlalchemy import text
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
+from proxy.metrics import DEAD_LETTER_RECORDS
+
 __all__ = ["router"]
 
 router = APIRouter()
@@ -40,13 +42,18 @@ async def readyz(request: Request) -> Response:
         "database": await _database_ok(request) and state.recorder.is_db_healthy,
         "replica": state.balancer.has_healthy,
         "recorder_queue_depth": state.recorder.queue_depth,
+        "dead_letter_records": state.recorder.dead_letter_records,
     }
     ready = bool(checks["database"] and checks["replica"])
-    return JSONResponse({"status": "ready" if ready else "not_ready", "checks": checks}, status_code=200 if ready else 503)
+    # Degraded: still serving (200, so a load balancer keeps sending calls), but records the
+    # database refused wait in the dead-letter spool for `rolltap-proxy spool replay`.
+    status = ("degraded" if checks["dead_letter_records"] else "ready") if ready else "not_ready"
+    return JSONResponse({"status": status, "checks": checks}, status_code=200 if ready else 503)
 
 
 @router.get("/metrics", response_class=PlainTextResponse)
 async def metrics(request: Request) -> Response:
+    DEAD_LETTER_RECORDS.set(request.app.state.recorder.dead_letter_records)
     for replica in request.app.state.balancer.replicas:
         REPLICA_IN_FLIGHT.labels(replica.url).set(replica.in_flight)
         REPLICA_HEALTHY.labels(replica.url).set(1 if replica.is_healthy else 0)

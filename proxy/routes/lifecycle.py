@@ -11,12 +11,15 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection
+from starlette.responses import Response
 
 from proxy import store
 from proxy.recorder import Recorder
 from proxy.routes.ids import check_id
-from shared.errors import DatabaseUnavailable
+from shared.errors import DatabaseUnavailable, NotDurable
+from shared.verbatim import dumps_exact
 from shared.settings import ProxySettings
 
 __all__ = ["router"]
@@ -116,19 +119,32 @@ async def finish(key: AttemptKey, body: FinishIn, request: Request) -> dict[str,
     recorder, settings = _collaborators(request)
     await _barrier(recorder, key, settings.finish_timeout_s)
 
-    async def op(conn: AsyncConnection) -> None:
+    async def op(conn: AsyncConnection) -> list[dict[str, Any]]:
         await store.finish_attempt(conn, *key, body.status, body.reward)
+        return await store.undurable_calls(conn, *key)
 
-    await recorder.run(op, settings.finish_timeout_s)
+    undurable = await recorder.run(op, settings.finish_timeout_s)
     request.app.state.balancer.attempt_finished(*key)  # its replica binding may go
+    if undurable:
+        # The status is recorded; the attempt is not complete until `rolltap-proxy spool replay`.
+        reasons = "; ".join(f"{u['call_id']}: {u['reason']}" for u in undurable[:5])
+        raise NotDurable(
+            f"attempt {key[0]}/{key[1]} finished as {body.status!r}, but {len(undurable)} of its call records "
+            f"could not be written ({reasons}); they wait in the proxy's dead-letter spool "
+            "(`rolltap-proxy spool list`)", code="attempt_not_durable")
     return {"object": "rolltap.attempt", "rollout_id": key[0], "attempt_id": key[1], "status": body.status,
             "is_durable": True}
 
 
 @router.get("/rollout/{rollout_id}/attempt/{attempt_id}")
-async def get_attempt(key: AttemptKey, request: Request) -> dict[str, Any]:
+async def get_attempt(key: AttemptKey, request: Request) -> Response:
     recorder, settings = _collaborators(request)
     # Calls that already answered should be visible even before `finish`.
     await _barrier(recorder, key, settings.finish_timeout_s)
-    async with request.app.state.reader.connect() as conn:
-        return await store.read_attempt(conn, *key)
+    try:
+        async with request.app.state.reader.connect() as conn:
+            attempt = await store.read_attempt(conn, *key)
+    except (DBAPIError, OSError) as exc:
+        raise DatabaseUnavailable(f"database unreachable: {exc.__class__.__name__}", retry_after_s=1.0) from exc
+    # Exact JSON: strings with lone surrogates go out as escapes (the default encoder cannot write them).
+    return Response(dumps_exact(attempt), media_type="application/json")

@@ -24,6 +24,7 @@ from sqlalchemy import (
     ForeignKeyConstraint,
     Index,
     Integer,
+    LargeBinary,
     String,
     Text,
     UniqueConstraint,
@@ -46,6 +47,7 @@ __all__ = [
     "Reward",
     "Rollout",
     "TrainingStep",
+    "UndurableCall",
     "TrainingStepAttempt",
 ]
 
@@ -125,6 +127,14 @@ class Call(Base):
     request: Mapped[Any | None] = mapped_column(Json)
     response: Mapped[Any | None] = mapped_column(Json)
     response_truncated: Mapped[bool] = mapped_column(Boolean, nullable=False, server_default=false())
+    # The exact bytes the client sent, and those the replica sent (which the client received
+    # unchanged; cut at `max_body_bytes`, see `response_truncated`). `request`/`response`
+    # above are parsed, queryable copies of them.
+    request_body: Mapped[bytes | None] = mapped_column(LargeBinary)
+    response_body: Mapped[bytes | None] = mapped_column(LargeBinary)
+    # {"request", "response", "error"} exactly, as ASCII JSON text, when the queryable copies
+    # had to change to be storable (U+0000, lone surrogates, non-finite numbers); else NULL.
+    json_exact: Mapped[str | None] = mapped_column(Text)
     prompt_token_ids: Mapped[list[Any] | None] = mapped_column(Json)
     completion_token_ids: Mapped[list[Any] | None] = mapped_column(Json)
     completion_logprobs: Mapped[list[Any] | None] = mapped_column(Json)
@@ -137,6 +147,24 @@ class Call(Base):
     started_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False)
     first_byte_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     ended_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=_now())
+
+
+class UndurableCall(Base):
+    """A call record the proxy could not write (not an outage: the database refused this row).
+
+    The record itself waits in the spool's `dead/` folder; `rolltap-proxy spool replay` writes
+    it once the cause is fixed and deletes this row. While a row exists, its attempt is not
+    durable: `finish` says so, GET attempt lists it, and the trainer does not use the attempt.
+    """
+
+    __tablename__ = "undurable_calls"
+    __table_args__ = (Index("ix_undurable_calls_attempt", "rollout_id", "attempt_id"),)
+
+    call_id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    rollout_id: Mapped[str | None] = mapped_column(String(ID_LEN))
+    attempt_id: Mapped[str | None] = mapped_column(String(ID_LEN))
+    reason: Mapped[str] = mapped_column(Text, nullable=False)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=_now())
 
 

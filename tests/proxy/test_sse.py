@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 from hypothesis import given, settings
@@ -112,3 +113,31 @@ def test_examples() -> None:
     euro = "€".encode()
     assert parser.feed(b"data: " + euro[:1]) == []
     assert parser.feed(euro[1:] + b"\n\n") == ["€"]
+
+
+# Any bytes inside a data line (invalid UTF-8 included), except the line breaks that end it.
+raw_line = st.binary(max_size=24).map(lambda b: b.replace(b"\r", b"").replace(b"\n", b""))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(raw_line, min_size=1, max_size=5), st.data())
+def test_invalid_utf8_and_split_characters_parse_the_same_whole_or_split(lines: list[bytes],
+                                                                         data: st.DataObject) -> None:
+    # Each event decodes as its whole data would: a character split between chunks comes out
+    # whole, and a byte that is not UTF-8 becomes U+FFFD the same way wherever the cut falls.
+    raw = b"".join(b"data: " + line + b"\n\n" for line in lines)
+    expected = [(line[1:] if line.startswith(b" ") else line).decode("utf-8", "replace") for line in lines]
+    assert parse_chunks(split(raw, data.draw(cuts_in(raw), label="cuts"))) == expected
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(st.characters(codec="utf-8"), max_size=20), st.data())
+def test_multibyte_text_split_across_chunks_assembles_whole(text: str, data: st.DataObject) -> None:
+    from proxy.assemble import assemble_stream
+
+    chunks = [f'data: {{"choices":[{{"index":0,"delta":{{"content":{json.dumps(ch, ensure_ascii=False)}}}}}]}}\n\n'
+              for ch in text]
+    raw = ("".join(chunks) + "data: [DONE]\n\n").encode("utf-8")
+    events = parse_chunks(split(raw, data.draw(cuts_in(raw), label="cuts")))
+    content = assemble_stream("chat/completions", events)["choices"]
+    assert (content[0]["message"]["content"] if content else "") == text

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -118,3 +119,34 @@ def test_upgrade_from_the_first_revision_keeps_calls(db: tuple[DbSettings, Engin
     assert _diff(engine) == []
     with engine.connect() as conn:
         assert conn.execute(text("SELECT call_id, seq FROM calls")).all() == [("call-1", 0)]
+
+
+def test_upgrade_from_0002_with_data_keeps_calls_and_adds_verbatim_columns(db: tuple[DbSettings, Engine]) -> None:
+    # The schema before verbatim recording, with a call (and a trainer drop) in it, brought to head.
+    settings, engine = db
+    upgrade(settings, "0002")
+    with engine.begin() as conn:
+        conn.execute(text("INSERT INTO rollouts (rollout_id) VALUES ('r1')"))
+        conn.execute(text("INSERT INTO attempts (rollout_id, attempt_id, status) VALUES ('r1', 'a1', 'succeeded')"))
+        conn.execute(text(
+            "INSERT INTO calls (call_id, rollout_id, attempt_id, seq, route, is_streaming, status, request, response,"
+            " started_at, ended_at) VALUES ('call-1', 'r1', 'a1', 0, 'chat/completions', false, 'ok',"
+            " :request, :response, CURRENT_TIMESTAMP, CURRENT_TIMESTAMP)"
+        ), {"request": '{"messages": [{"role": "user", "content": "h\\u00e9"}]}', "response": '{"choices": []}'})
+        conn.execute(text("INSERT INTO call_drops (call_id, rollout_id, attempt_id, reason)"
+                          " VALUES ('call-1', 'r1', 'a1', 'no_tokens')"))
+    upgrade(settings)
+    assert _current(engine) == _head()
+    assert _diff(engine) == []
+    with engine.connect() as conn:
+        row = conn.execute(text(
+            "SELECT call_id, seq, request, request_body, response_body, json_exact FROM calls")).one()
+        assert conn.execute(text("SELECT reason FROM call_drops")).scalar_one() == "no_tokens"
+        assert conn.execute(text("SELECT count(*) FROM undurable_calls")).scalar_one() == 0
+    request = row.request if isinstance(row.request, dict) else json.loads(row.request)
+    assert (row.call_id, row.seq, request["messages"][0]["content"]) == ("call-1", 0, "hé")
+    # Bytes were never kept for old calls: NULL, not made up.
+    assert (row.request_body, row.response_body, row.json_exact) == (None, None, None)
+    _downgrade(engine, "0002")
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT call_id FROM calls")).scalars().all() == ["call-1"]

@@ -8,6 +8,13 @@ picks the behaviour:
   {"chunks": ["data: ...", ...]}      stream exactly these byte strings (odd boundaries welcome)
   {"sleep_s": 1.0}                     wait before a non-streamed answer
   {"pad_bytes": 1000000}               a non-streamed answer whose content is that many bytes long
+  {"chunks_b64": ["...", ...]}         the same, as base64: any bytes, invalid UTF-8 included
+  {"echo": true}                       answer with the last message's content as the completion,
+                                       one chat chunk per character when streamed
+  {"echo": true, "splits": [5, 9]}     ... and cut the stream's bytes at those offsets (a split may
+                                       fall inside a multi-byte character)
+Bodies are parsed as vLLM does (lone surrogate escapes allowed) and answered with escapes where
+UTF-8 cannot carry a character.
 `stats` counts requests and how many streams ended because the client went away, and
 lists every path asked for other than the probes (`/health`, `/metrics`) and the model list.
 """
@@ -15,10 +22,13 @@ lists every path asked for other than the probes (`/health`, `/metrics`) and the
 from __future__ import annotations
 
 import asyncio
+import base64
 from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
+
+from shared.verbatim import dumps_exact, loads_exact
 
 MODEL = "fault-model"
 
@@ -77,7 +87,7 @@ class FaultReplica:
             body += message.get("body", b"")
             if not message.get("more_body"):
                 break
-        request = orjson.loads(body) if body else {}
+        request = loads_exact(body) if body else {}
         self.stats.requests += 1
         self.stats.bodies.append(request)
         self.stats.headers.append({k.decode().lower(): v.decode() for k, v in scope["headers"]})
@@ -85,6 +95,9 @@ class FaultReplica:
         if "status" in fault:
             await self._json(send, fault["status"], {"error": {"message": "injected", "type": "injected",
                                                                "param": None, "code": fault["status"]}})
+            return
+        if fault.get("echo"):
+            await self._echo(send, request, fault)
             return
         if not request.get("stream"):
             if fault.get("sleep_s"):
@@ -100,7 +113,9 @@ class FaultReplica:
 
     async def _stream(self, send: Any, receive: Any, request: dict[str, Any], fault: dict[str, Any]) -> None:
         n = int(request.get("max_tokens") or 8)
-        chunks: list[bytes] = [c.encode() for c in fault["chunks"]] if "chunks" in fault else [
+        if "chunks_b64" in fault:
+            fault = {**fault, "chunks": [base64.b64decode(c) for c in fault["chunks_b64"]]}
+        chunks: list[bytes] = [c if isinstance(c, bytes) else c.encode() for c in fault["chunks"]] if "chunks" in fault else [
             chat_chunk(i, first=i == 0, last=i == n - 1) for i in range(n)] + [b"data: [DONE]\n\n"]
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"text/event-stream; charset=utf-8")]})
@@ -130,9 +145,33 @@ class FaultReplica:
         finally:
             watcher.cancel()
 
+    async def _echo(self, send: Any, request: dict[str, Any], fault: dict[str, Any]) -> None:
+        text = str((request.get("messages") or [{}])[-1].get("content") or "")
+        if not request.get("stream"):
+            await self._json(send, 200, {"id": "chatcmpl-echo", "object": "chat.completion", "model": MODEL,
+                                         "prompt_token_ids": [1, 2, 3],
+                                         "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                                                      "finish_reason": "stop", "token_ids": [7]}]})
+            self.stats.completed += 1
+            return
+        events = [b"data: " + dumps_exact({
+            "id": "chatcmpl-echo", "object": "chat.completion.chunk", "created": 1, "model": MODEL,
+            **({"prompt_token_ids": [1, 2, 3]} if i == 0 else {}),
+            "choices": [{"index": 0, "delta": {"content": ch}, "token_ids": [7],
+                         "finish_reason": "stop" if i == len(text) - 1 else None}]}) + b"\n\n"
+            for i, ch in enumerate(text)]
+        stream = b"".join(events) + b"data: [DONE]\n\n"
+        cuts = sorted({0, len(stream), *(c for c in fault.get("splits") or () if 0 < c < len(stream))})
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream; charset=utf-8")]})
+        for start, end in zip(cuts, cuts[1:], strict=False):
+            await send({"type": "http.response.body", "body": stream[start:end], "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        self.stats.completed += 1
+
     @staticmethod
     async def _json(send: Any, status: int, body: Any) -> None:
-        data = orjson.dumps(body)
+        data = dumps_exact(body)
         await send({"type": "http.response.start", "status": status,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]})
         await send({"type": "http.response.body", "body": data})

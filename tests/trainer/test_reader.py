@@ -9,8 +9,9 @@ import pytest
 from sqlalchemy import func, insert, select
 from sqlalchemy.exc import OperationalError
 
-from shared.db.models import CallDrop, PolicyVersion, TrainingStep, TrainingStepAttempt
+from shared.db.models import CallDrop, PolicyVersion, TrainingStep, TrainingStepAttempt, UndurableCall
 from shared.settings import TrainerSettings
+from shared.verbatim import dumps_exact
 from tests.trainer.conftest import Db, tokens_call
 from trainer.consumption import AlreadyConsumed, record_export, record_training_step
 from trainer.data import read_samples
@@ -206,3 +207,23 @@ def test_read_samples_stores_drop_reasons(db: Db) -> None:
     # both attempts of the group are consumed by whoever uses the read, even the one with no triplet
     assert sorted(data.attempt_pks) == sorted(a.pk for g in data.groups for a in g.attempts)
     assert len(data.attempt_pks) == 2
+
+
+def test_exact_json_is_read_and_undurable_attempts_wait(db: Db) -> None:
+    # As the proxy's writer stores a prompt with U+0000: a storable copy, the exact value beside it.
+    exact = {"messages": [{"role": "user", "content": "a\x00b\ud800"}]}
+    db.attempt("t-exact", "0", calls=[{
+        "request": {"messages": [{"role": "user", "content": "a\ufffdb\ufffd"}]},
+        "json_exact": dumps_exact({"request": exact, "response": None, "error": None}).decode(),
+    }])
+    db.attempt("t-exact", "1", calls=[{"call_id": "call-refused-sibling"}])
+    with db.engine.begin() as conn:
+        # A call of attempt 1 was refused by the database: it waits in the proxy's dead-letter spool.
+        conn.execute(insert(UndurableCall).values(call_id="call-lost", rollout_id="t-exact", attempt_id="1",
+                                                  reason="IntegrityError: refused"))
+    s = TrainerSettings(group_size=1)
+    with db.engine.connect() as conn:
+        [group] = find_ready_groups(conn, s)
+    [attempt] = group.attempts
+    assert attempt.attempt_id == "0"  # attempt 1 is incomplete until the record is replayed
+    assert attempt.calls[0].request == exact

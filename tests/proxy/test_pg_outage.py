@@ -1,0 +1,111 @@
+"""PostgreSQL stopped (fast shutdown) and started again under 64 streaming agents.
+
+Every call that got a 200 is recorded exactly once, nothing goes to `dead/`, and `finish`
+never answers 500: while durability cannot be confirmed it answers 503 with Retry-After, and
+the agent's retry on the same connection pool then succeeds. The cluster is a private one
+(`tests/support/pg_cluster.py`); the shared server is never stopped. Streams come from the
+fault replica (slow chunks keep them in flight across the stop).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import openai
+import psycopg
+from sqlalchemy import create_engine, text
+
+from shared.db.engine import sync_url
+from tests.conftest import make_settings
+from tests.support.fault_replica import FaultReplica
+from tests.support.pg_cluster import private_postgres
+from tests.support.servers import run_proxy, serve_in_thread
+
+AGENTS, TURNS = 64, 3
+DOWN_S = 3.0
+
+
+@dataclass
+class Outcomes:
+    call_ids: list[str] = field(default_factory=list)
+    finish_statuses: Counter[int] = field(default_factory=Counter)
+
+
+async def _agent(proxy_url: str, rollout: str, http: httpx.AsyncClient, out: Outcomes) -> None:
+    client = openai.AsyncOpenAI(base_url=f"{proxy_url}/rollout/{rollout}/attempt/0/v1", api_key="x",
+                                http_client=http, max_retries=0)
+    for turn in range(TURNS):
+        stream = await client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": f"turn {turn}"}], max_tokens=6, stream=True,
+            extra_body={"fault": {"delay_s": 0.05}})
+        text_ = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+        assert text_  # a 200 with the whole stream
+        out.call_ids.append(stream.response.headers["x-rolltap-call-id"])
+    deadline = time.monotonic() + 120
+    while True:
+        finished = await http.post(f"{proxy_url}/rollout/{rollout}/attempt/0/finish", json={"status": "succeeded"})
+        out.finish_statuses[finished.status_code] += 1
+        if finished.status_code == 200:
+            return
+        assert finished.status_code == 503, finished.text  # never 500
+        assert finished.json()["error"]["type"] == "database_unavailable"
+        assert time.monotonic() < deadline, "finish never succeeded after the database came back"
+        await asyncio.sleep(float(finished.headers["retry-after"]))
+
+
+def _spooled_total(body: str) -> float:
+    match = re.search(r"^rolltap_records_spooled_total (\S+)$", body, re.MULTILINE)
+    return float(match.group(1)) if match else 0.0
+
+
+def test_postgres_fast_shutdown_under_64_streaming_agents(tmp_path: Path) -> None:
+    with private_postgres() as cluster:
+        with psycopg.connect(cluster.url, autocommit=True) as conn:
+            conn.execute("CREATE DATABASE rolltap")
+        db_url = cluster.url.rsplit("/", 1)[0] + "/rolltap"
+        settings = make_settings(db_url, [], tmp_path, finish_timeout_s=1.0,
+                                 recorder={"retry_interval_s": 0.2})
+        out = Outcomes()
+        with serve_in_thread(FaultReplica()) as (replica, _):
+            settings.proxy.replicas = [replica]
+            with run_proxy(settings) as proxy, httpx.Client(timeout=30) as http:
+                spooled_before = _spooled_total(http.get(f"{proxy.url}/metrics").text)
+
+                async def main() -> None:
+                    async def outage() -> None:
+                        await asyncio.sleep(0.8)  # streams are in flight
+                        await asyncio.to_thread(cluster.stop, "fast")
+                        await asyncio.sleep(DOWN_S)
+                        await asyncio.to_thread(cluster.start)
+
+                    limits = httpx.Limits(max_connections=2 * AGENTS)
+                    async with httpx.AsyncClient(limits=limits, timeout=120) as client:
+                        await asyncio.gather(outage(), *(_agent(proxy.url, f"o{i}", client, out)
+                                                         for i in range(AGENTS)))
+
+                asyncio.run(main())
+                spooled = _spooled_total(http.get(f"{proxy.url}/metrics").text) - spooled_before
+                ready = http.get(f"{proxy.url}/readyz").json()
+
+        engine = create_engine(sync_url(db_url))
+        with engine.connect() as conn:
+            recorded = conn.execute(text("SELECT call_id FROM calls")).scalars().all()
+            statuses = dict(conn.execute(text("SELECT status, count(*) FROM attempts GROUP BY status")).all())
+        engine.dispose()
+
+    print(f"\npg outage: {len(out.call_ids)} calls answered 200, {len(recorded)} recorded, {spooled:.0f} spooled "
+          f"during the outage, finish answers {dict(out.finish_statuses)}")
+    assert len(out.call_ids) == AGENTS * TURNS
+    assert sorted(recorded) == sorted(out.call_ids)  # every 200 recorded, exactly once
+    assert not list((tmp_path / "spool" / "dead").glob("*"))
+    assert not list((tmp_path / "spool").glob("*.jsonl"))  # the outage spool is written back
+    assert 500 not in out.finish_statuses and out.finish_statuses[200] == AGENTS
+    assert statuses == {"succeeded": AGENTS}
+    assert spooled > 0  # the outage was really hit by records, not dodged
+    assert ready["checks"]["dead_letter_records"] == 0
