@@ -1,8 +1,9 @@
 """Builds the proxy application: `create_app(settings)`; owns start-up and shutdown order.
 
-Start: migrate (optional), engines, recorder, replica probes, active policy.
-Stop (after uvicorn has let in-flight calls end): probes, then the recorder's flush
-with a deadline (leftovers spooled), then connections.
+Start: migrate (optional), engines, journal recovery (records of a dead proxy are
+written before anything else), recorder, replica probes, active policy.
+Stop (after the SIGTERM drain and uvicorn have let in-flight calls end): probes, then the
+recorder's flush with a deadline (leftovers spooled), then the journal, then connections.
 """
 
 from __future__ import annotations
@@ -23,8 +24,10 @@ from starlette.types import Receive, Scope, Send
 from proxy import store
 from proxy.admission import Admission
 from proxy.balancer import Balancer
+from proxy.drain import Drain
 from proxy.errors import install_error_handlers
 from proxy.hosted import load_hosted
+from proxy.journal import Journal, recover
 from proxy.policy import ActivePolicy
 from proxy.recorder import Recorder
 from proxy.relay import Relay
@@ -104,7 +107,27 @@ async def _persist_replicas(app: FastAPI) -> None:
     await app.state.recorder.run(op, 30.0)
 
 
+def _journal(settings: Settings) -> Journal | None:
+    rec = settings.proxy.recorder
+    if not rec.journal:
+        return None
+    return Journal(rec.journal_dir or rec.spool_dir / "journal", fsync=rec.journal_fsync,
+                   segment_bytes=rec.journal_segment_bytes)
+
+
+async def _recover_journals(journal: Journal, recorder: Recorder) -> None:
+    """Write what dead proxies journaled (into the database, or the spool) before serving."""
+    recovery = await anyio.to_thread.run_sync(recover, journal.directory)
+    if recovery.files:
+        await recorder.recover(recovery.records)
+        logger.warning("journal: recovered %d record(s) of a stopped proxy, %d of them interrupted calls",
+                       len(recovery.records), recovery.interrupted)
+    recovery.release()
+
+
 def create_app(settings: Settings) -> ProxyApp:
+    drain = Drain()
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if settings.db.migrate_on_start:
@@ -120,7 +143,12 @@ def create_app(settings: Settings) -> ProxyApp:
         admission = Admission(settings.proxy.pool.pause_wait_s)
         hosted = load_hosted(settings.proxy.litellm_config)
         tracing = load_tracing(settings.proxy.tracing)
-        recorder = Recorder(settings.proxy.recorder, writer, writer_sync)
+        journal = _journal(settings)
+        recorder = Recorder(settings.proxy.recorder, writer, writer_sync,
+                            on_durable=journal.durable if journal is not None else None)
+        if journal is not None:
+            await _recover_journals(journal, recorder)
+            journal.open()
         policy = ActivePolicy()
         app.state.settings = settings
         app.state.reader = reader
@@ -129,7 +157,8 @@ def create_app(settings: Settings) -> ProxyApp:
         app.state.policy = policy
         app.state.admission = admission
         app.state.relay = Relay(settings.proxy, upstream, balancer, policy, recorder, admission, hosted,
-                                on_policy_unknown=lambda: _resolve_policy(app), tracing=tracing)
+                                on_policy_unknown=lambda: _resolve_policy(app), tracing=tracing,
+                                journal=journal, drain=drain)
         await recorder.start()
         await balancer.start()
         await balancer.wait_first_probe(timeout_s=10.0)
@@ -142,6 +171,8 @@ def create_app(settings: Settings) -> ProxyApp:
         finally:
             await balancer.stop()
             await recorder.stop(settings.proxy.shutdown_timeout_s)
+            if journal is not None:
+                journal.close()
             await upstream.close()
             await asyncio.gather(writer.dispose(), reader.dispose())
             if tracing is not None:
@@ -149,6 +180,7 @@ def create_app(settings: Settings) -> ProxyApp:
             logger.info("proxy stopped; %d records written", recorder.written_total)
 
     app = ProxyApp(title="Rolltap proxy", version="1", lifespan=lifespan, routes=relayed_routes())
+    app.state.drain = drain
     app.include_router(lifecycle.router)
     app.include_router(health.router)
     app.include_router(admin.router)

@@ -4,8 +4,12 @@
 
 Every flag has an environment equivalent (`ROLLTAP_PROXY__REPLICAS`, `ROLLTAP_DB__URL`,
 `ROLLTAP_PROXY__HOST`, `ROLLTAP_PROXY__PORT`, ...) and a config-file key
-(`ROLLTAP_CONFIG=rolltap.toml`); flags win. SIGTERM stops accepting, lets in-flight
-calls end within `proxy.shutdown_timeout_s`, then flushes the recorder.
+(`ROLLTAP_CONFIG=rolltap.toml`); flags win.
+
+SIGTERM (or Ctrl+C) drains: new relayed calls get 503 `proxy_draining`, calls in flight
+may end within `proxy.shutdown_timeout_s`, and the listener stays open meanwhile so that
+reward, finish and GET attempt still answer; then uvicorn stops and the recorder flushes.
+A second signal stops at once (calls still in flight end as `interrupted`).
 """
 
 from __future__ import annotations
@@ -13,14 +17,16 @@ from __future__ import annotations
 import argparse
 import logging
 import signal
+from types import FrameType
 from typing import Any
 
 import uvicorn
 
 from proxy.app import create_app
+from proxy.drain import Drain
 from shared.settings import Settings
 
-__all__ = ["main", "parse_settings"]
+__all__ = ["DrainingServer", "main", "parse_settings"]
 
 
 def parse_settings(argv: list[str] | None = None) -> Settings:
@@ -52,6 +58,35 @@ def _exit_cleanly(signum: int, frame: object) -> None:
     raise SystemExit(0)
 
 
+class DrainingServer(uvicorn.Server):
+    """uvicorn, except that the first SIGTERM/SIGINT drains before the listener closes.
+
+    uvicorn closes its listener as soon as the signal arrives, so the `finish` that follows
+    an agent's last call would find no proxy. Here the signal only starts the drain; the
+    server's own tick (every 0.1 s) turns it into uvicorn's usual graceful exit once the
+    drain is done.
+    """
+
+    def __init__(self, config: uvicorn.Config, drain: Drain, drain_timeout_s: float) -> None:
+        super().__init__(config)
+        self._drain = drain
+        self._drain_timeout_s = drain_timeout_s
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self._drain.is_draining or not self.started:
+            super().handle_exit(sig, frame)  # a second signal, or not serving yet: uvicorn's own way
+            if self._drain.is_draining:
+                self.force_exit = True
+            return
+        self._captured_signals.append(sig)  # re-raised after shutdown, as uvicorn does
+        self._drain.begin(self._drain_timeout_s)
+
+    async def on_tick(self, counter: int) -> bool:
+        if self._drain.is_done:
+            self.should_exit = True
+        return await super().on_tick(counter)
+
+
 def main(argv: list[str] | None = None) -> None:
     settings = parse_settings(argv)
     level = settings.proxy.log_level.upper()
@@ -59,8 +94,9 @@ def main(argv: list[str] | None = None) -> None:
     if not settings.proxy.replicas:
         raise SystemExit("rolltap-proxy: no replica configured (--replica URL or ROLLTAP_PROXY__REPLICAS)")
     logging.getLogger(__name__).info("settings: %s", settings.model_dump_json(exclude={"proxy": {"admin_token"}}))
+    app = create_app(settings)
     config = uvicorn.Config(
-        create_app(settings),
+        app,
         host=settings.proxy.host,
         port=settings.proxy.port,
         log_level=settings.proxy.log_level.lower(),
@@ -72,7 +108,7 @@ def main(argv: list[str] | None = None) -> None:
         lifespan="on",
     )
     signal.signal(signal.SIGTERM, _exit_cleanly)  # restored by uvicorn after its shutdown, then re-raised
-    uvicorn.Server(config).run()
+    DrainingServer(config, app.state.drain, settings.proxy.shutdown_timeout_s).run()
 
 
 if __name__ == "__main__":

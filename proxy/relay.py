@@ -7,7 +7,10 @@ Whatever the end (answer, replica error, replica gone, client gone, bad request)
 record is built and submitted exactly once: in `handle`'s `finally`, or, for streams,
 in `RelayStream`'s. Connect errors, 429 and 503 are retried on another replica with
 backoff, only before anything reached the client. Streamed bytes go to the client as
-they arrive, untouched; a bounded copy is parsed after the last byte was sent.
+they arrive, untouched; a bounded copy is parsed before the last byte is sent, so the
+record is in the journal (`proxy.journal`) by the time the client sees the call end.
+A client that leaves before the end is noticed (streamed or not), the replica's request
+is dropped and the call recorded `client_disconnected`.
 """
 
 from __future__ import annotations
@@ -31,12 +34,14 @@ from proxy import metrics
 from proxy.admission import Admission
 from proxy.assemble import assemble_stream, extract
 from proxy.balancer import Balancer, ReplicaState
+from proxy.drain import Drain
+from proxy.journal import Journal
 from proxy.policy import ActivePolicy
 from proxy.recorder import Recorder
 from proxy.sse import SseParser
 from proxy.stream import RelayStream
 from proxy.upstream import Upstream, forwardable_headers
-from shared.errors import InvalidRequest, RolltapError, UpstreamUnavailable
+from shared.errors import InvalidRequest, RolltapError, ServiceUnavailable, UpstreamUnavailable
 from shared.settings import ProxySettings
 from shared.types import CallRecord, CallStatus, Route
 
@@ -102,6 +107,9 @@ class CallState:
     body: bytes = b""
     truncated: bool = False
     span: Span | None = None  # its trace span, when tracing is on
+    has_left: bool = False  # the client disconnected before the end
+    sealed: CallRecord | None = None  # the record journaled before the stream's last byte
+    sealed_len: int = 0  # bytes of body the sealed record was built from
 
     @property
     def key(self) -> tuple[str, str] | None:
@@ -133,6 +141,8 @@ class Relay:
         hosted: HostedModels | None = None,
         on_policy_unknown: Callable[[], Awaitable[None]] | None = None,
         tracing: Tracing | None = None,
+        journal: Journal | None = None,
+        drain: Drain | None = None,
     ) -> None:
         self._settings = settings
         self._pool = settings.pool
@@ -145,6 +155,8 @@ class Relay:
         self._on_policy_unknown = on_policy_unknown
         self._tracing = tracing
         self._max_body = settings.recorder.max_body_bytes
+        self._journal = journal
+        self._drain = drain or Drain()
 
     async def handle(self, request: Request, route: str, rollout_id: str | None, attempt_id: str | None) -> Response:
         """Relay one call. Tracked calls (with ids) get exact tokens asked for and the model rewritten."""
@@ -152,10 +164,19 @@ class Relay:
         if self._tracing is not None:
             call.span = self._tracing.start(route, request.headers, time.time_ns())
         self._recorder.begin(call.key)
+        self._drain.call_started()
+        if self._journal is not None:
+            self._journal.started(call.call_id, rollout_id, attempt_id, route, call.started_at, call.arrival)
         finishes_later = False  # a stream records itself when it ends
+        watcher: asyncio.Task[None] | None = None
         try:
+            if self._drain.is_draining:
+                raise ServiceUnavailable("the proxy is shutting down and takes no new calls; retry on another "
+                                         "proxy or once it is back", code="proxy_draining", retry_after_s=1.0)
             await self._admission.admit()
             raw = await request.body()
+            watcher = asyncio.get_running_loop().create_task(
+                self._watch_disconnect(request, call, asyncio.current_task()))
             if self._hosted is not None and (model := self._hosted.model_of(raw)) is not None:
                 response = await self._hosted.handle(self, call, route, raw, model)
                 finishes_later = isinstance(response, RelayStream)
@@ -166,7 +187,10 @@ class Relay:
             headers = forwardable_headers(request.headers)
             if call.span is not None:  # no per-call work at all while tracing is off
                 headers |= self.trace_headers(call)
-            upstream, replica = await self._send(call, orjson.dumps(body), headers)
+            payload = orjson.dumps(body)
+            if self._journal is not None:
+                self._journal.request(call.call_id, payload)
+            upstream, replica = await self._send(call, payload, headers)
             content_type = upstream.headers.get("content-type", "")
             if upstream.status == 200 and content_type.startswith("text/event-stream"):
                 finishes_later = True
@@ -175,6 +199,16 @@ class Relay:
                 return await self._relay_whole(call, upstream, content_type)
             finally:
                 self._balancer.call_ended(replica, call.http_status)
+        except asyncio.CancelledError:
+            # Our watcher's cancel (the client left): the call is recorded below; any other
+            # cancellation (server shutdown) goes on up once it is.
+            current = asyncio.current_task()
+            if not call.has_left or current is None or current.uncancel() > 0:
+                if not call.has_left:
+                    call.fail(CallStatus.INTERRUPTED, {"message": "the proxy shut down before the call ended",
+                                                       "type": "interrupted", "code": "proxy_shutdown"})
+                raise
+            return Response(status_code=499)  # nobody reads it: the client is gone
         except RolltapError as exc:
             status = CallStatus.INVALID_REQUEST if isinstance(exc, InvalidRequest) else CallStatus.FAILED
             call.fail(status, exc, exc.status_code)
@@ -184,8 +218,21 @@ class Relay:
                                           "type": "internal_error"}, 500)
             raise
         finally:
+            if watcher is not None:
+                watcher.cancel()  # a stream watches for itself (`RelayStream`)
             if not finishes_later:
                 await self.record(call)
+
+    @staticmethod
+    async def _watch_disconnect(request: Request, call: CallState, handler: asyncio.Task[Any] | None) -> None:
+        """Cancel the call's task when its client leaves before the answer (the body is read by then)."""
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        call.fail(CallStatus.CLIENT_DISCONNECTED, {"message": "client disconnected before the response ended",
+                                                   "type": "client_disconnected"})
+        call.has_left = True
+        if handler is not None:
+            handler.cancel()
 
     def trace_headers(self, call: CallState) -> dict[str, str]:
         """The `traceparent` (and `tracestate`) that passes this call's span on; empty without tracing."""
@@ -270,6 +317,9 @@ class Relay:
         started = time.perf_counter()
         try:
             body = await upstream.read()
+        except asyncio.CancelledError:
+            upstream.close()  # the client left: the replica drops the request with the connection
+            raise
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             upstream.close()
             call.http_status = 502
@@ -306,8 +356,12 @@ class Relay:
         headers = [(b"content-type", content_type.encode()), (b"cache-control", b"no-cache"),
                    (b"x-accel-buffering", b"no")]
         headers += [(k.encode(), v.encode()) for k, v in call.headers().items()]
+        async def seal(kept: bytes, truncated: bool) -> None:
+            call.body, call.truncated = kept, truncated
+            await self._seal(call)
+
         return RelayStream(call, chunks, status_code=200, headers=headers, max_kept_bytes=self._max_body,
-                           close=close, on_source_error=on_source_error, finish=finish)
+                           close=close, on_source_error=on_source_error, seal=seal, finish=finish)
 
     async def models(self) -> Response:
         """The model list of a healthy replica, as it sent it (clients probe it at start)."""
@@ -324,8 +378,33 @@ class Relay:
             raise
         return Response(body, status_code=status, media_type=content_type)
 
+    async def _seal(self, call: CallState) -> CallRecord:
+        """Build the record and journal it (fsynced with `journal_fsync`): the call survives a crash now."""
+        record = self._build(call)
+        call.sealed, call.sealed_len = record, len(call.body)
+        if self._journal is not None:
+            self._journal.ended(record)
+            await self._journal.sync()
+        return record
+
     async def record(self, call: CallState) -> None:
-        """Build the record from what the call left and queue it. Called exactly once per call."""
+        """Queue the call's record (journaled first, unless a stream sealed it already). Once per call."""
+        record = call.sealed
+        if record is None or call.sealed_len != len(call.body) or call.status != call.sealed.status:
+            # Not sealed, or something happened after the seal (a late error event, a cut source).
+            record = await self._seal(call)
+        self._drain.call_ended()
+        if call.span is not None:
+            self._tracing.finish(call.span, record)  # type: ignore[union-attr]
+        _metric(metrics.REQUESTS, call.route, record.status).inc()
+        _metric(metrics.REQUEST_SECONDS, call.route).observe(
+            (record.ended_at - record.started_at).total_seconds())
+        if call.t_first_byte is not None:
+            _metric(metrics.TTFB_SECONDS, call.route).observe(call.t_first_byte - call.t0)
+        await self._recorder.submit(record)
+
+    def _build(self, call: CallState) -> CallRecord:
+        """The record of what the call left so far."""
         ended = time.perf_counter()
         record = CallRecord(
             call_id=call.call_id,
@@ -350,13 +429,7 @@ class Relay:
         )
         if call.body:
             _fill_response(record, call)
-        if call.span is not None:
-            self._tracing.finish(call.span, record)  # type: ignore[union-attr]
-        _metric(metrics.REQUESTS, call.route, record.status).inc()
-        _metric(metrics.REQUEST_SECONDS, call.route).observe(ended - call.t0)
-        if call.t_first_byte is not None:
-            _metric(metrics.TTFB_SECONDS, call.route).observe(call.t_first_byte - call.t0)
-        await self._recorder.submit(record)
+        return record
 
 
 def _fill_response(record: CallRecord, call: CallState) -> None:

@@ -40,8 +40,9 @@ async def readyz(request: Request) -> Response:
         "database": await _database_ok(request) and state.recorder.is_db_healthy,
         "replica": state.balancer.has_healthy,
         "recorder_queue_depth": state.recorder.queue_depth,
+        "draining": state.drain.is_draining,  # SIGTERM: takes no new relayed calls
     }
-    ready = bool(checks["database"] and checks["replica"])
+    ready = bool(checks["database"] and checks["replica"] and not checks["draining"])
     return JSONResponse({"status": "ready" if ready else "not_ready", "checks": checks}, status_code=200 if ready else 503)
 
 
