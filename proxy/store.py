@@ -21,12 +21,13 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from shared.db.models import Attempt, Call, PolicyVersion, Replica, Reward, Rollout
 from shared.errors import Conflict, NotFound
-from shared.types import CallRecord
+from shared.types import CallRecord, CallStatus
 
 __all__ = [
     "add_reward",
     "dumps_json",
     "finish_attempt",
+    "interrupted_calls",
     "load_active_policy",
     "read_attempt",
     "register_rollout",
@@ -213,6 +214,14 @@ async def finish_attempt(
         )
 
 
+async def interrupted_calls(conn: AsyncConnection, rollout_id: str, attempt_id: str) -> int:
+    """Calls of the attempt cut by a proxy crash or shutdown: such an attempt is not complete."""
+    return int((await conn.execute(
+        select(func.count()).select_from(Call).where(
+            Call.rollout_id == rollout_id, Call.attempt_id == attempt_id, Call.status == CallStatus.INTERRUPTED)
+    )).scalar_one())
+
+
 def _iso(value: datetime | None) -> str | None:
     if value is None:
         return None
@@ -249,25 +258,30 @@ async def read_attempt(conn: AsyncConnection, rollout_id: str, attempt_id: str) 
             .order_by(Reward.id)
         )
     ).mappings()
+    call_list = [
+        {
+            **{name: c[name] for name in _CALL_FIELDS},
+            "started_at": _iso(c["started_at"]),
+            "first_byte_at": _iso(c["first_byte_at"]),
+            "ended_at": _iso(c["ended_at"]),
+        }
+        for c in calls
+    ]
+    interrupted = sum(1 for c in call_list if c["status"] == CallStatus.INTERRUPTED)
     return {
         "object": "rolltap.attempt",
         "rollout_id": rollout_id,
         "attempt_id": attempt_id,
         "group_id": attempt["group_id"] or rollout_id,
         "status": attempt["status"],
+        # False when a call was cut by a proxy crash or shutdown: the trajectory has a hole.
+        "is_complete": interrupted == 0,
+        "interrupted_calls": interrupted,
         "policy_version": attempt["policy_version"],
         "created_at": _iso(attempt["created_at"]),
         "finished_at": _iso(attempt["finished_at"]),
         "rewards": [{**r, "created_at": _iso(r["created_at"])} for r in rewards],
-        "calls": [
-            {
-                **{name: c[name] for name in _CALL_FIELDS},
-                "started_at": _iso(c["started_at"]),
-                "first_byte_at": _iso(c["first_byte_at"]),
-                "ended_at": _iso(c["ended_at"]),
-            }
-            for c in calls
-        ],
+        "calls": call_list,
     }
 
 

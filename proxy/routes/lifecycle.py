@@ -109,13 +109,15 @@ async def finish(key: AttemptKey, body: FinishIn, request: Request) -> dict[str,
     recorder, settings = _collaborators(request)
     await _barrier(recorder, key, settings.finish_timeout_s)
 
-    async def op(conn: AsyncConnection) -> None:
+    async def op(conn: AsyncConnection) -> int:
         await store.finish_attempt(conn, *key, body.status, body.reward)
+        return await store.interrupted_calls(conn, *key)
 
-    await recorder.run(op, settings.finish_timeout_s)
+    interrupted = await recorder.run(op, settings.finish_timeout_s)
     request.app.state.balancer.attempt_finished(*key)  # its replica binding may go
+    # A call cut by a proxy crash leaves a hole: the attempt is finished but not complete.
     return {"object": "rolltap.attempt", "rollout_id": key[0], "attempt_id": key[1], "status": body.status,
-            "is_durable": True}
+            "is_durable": True, "is_complete": interrupted == 0, "interrupted_calls": interrupted}
 
 
 @router.get("/rollout/{rollout_id}/attempt/{attempt_id}")
