@@ -8,7 +8,8 @@ Every flag has an environment equivalent (`ROLLTAP_PROXY__REPLICAS`, `ROLLTAP_DB
 
 SIGTERM (or Ctrl+C) drains: new relayed calls get 503 `proxy_draining`, calls in flight
 may end within `proxy.shutdown_timeout_s`, and the listener stays open meanwhile so that
-reward, finish and GET attempt still answer; then uvicorn stops and the recorder flushes.
+reward, finish and GET attempt still answer (until `proxy.drain_grace_s` passed without
+any call); then uvicorn stops and the recorder flushes.
 A second signal stops at once (calls still in flight end as `interrupted`).
 """
 
@@ -67,10 +68,11 @@ class DrainingServer(uvicorn.Server):
     drain is done.
     """
 
-    def __init__(self, config: uvicorn.Config, drain: Drain, drain_timeout_s: float) -> None:
+    def __init__(self, config: uvicorn.Config, drain: Drain, drain_timeout_s: float, grace_s: float) -> None:
         super().__init__(config)
         self._drain = drain
         self._drain_timeout_s = drain_timeout_s
+        self._grace_s = grace_s
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self._drain.is_draining or not self.started:
@@ -79,7 +81,7 @@ class DrainingServer(uvicorn.Server):
                 self.force_exit = True
             return
         self._captured_signals.append(sig)  # re-raised after shutdown, as uvicorn does
-        self._drain.begin(self._drain_timeout_s)
+        self._drain.begin(self._drain_timeout_s, self._grace_s)
 
     async def on_tick(self, counter: int) -> bool:
         if self._drain.is_done:
@@ -108,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
         lifespan="on",
     )
     signal.signal(signal.SIGTERM, _exit_cleanly)  # restored by uvicorn after its shutdown, then re-raised
-    DrainingServer(config, app.state.drain, settings.proxy.shutdown_timeout_s).run()
+    DrainingServer(config, app.state.drain, settings.proxy.shutdown_timeout_s, settings.proxy.drain_grace_s).run()
 
 
 if __name__ == "__main__":

@@ -190,6 +190,13 @@ class ProxySettings(BaseModel):
         description="On SIGTERM: new relayed calls get 503 `proxy_draining` while calls in flight may take this "
         "long to end (lifecycle routes keep answering meanwhile); the record flush then gets as long again.",
     )
+    drain_grace_s: float = Field(
+        default=2.0,
+        ge=0,
+        description="On SIGTERM, once no relayed call is in flight: how long the proxy still answers lifecycle "
+        "calls (an agent's `finish` follows its last call) before it exits; each reward, finish or "
+        "registration restarts it, within `shutdown_timeout_s`.",
+    )
     recorder: RecorderSettings = Field(default_factory=RecorderSettings)
     pool: PoolSettings = Field(default_factory=PoolSettings)
     tracing: TracingSettings = Field(default_factory=TracingSettings)

@@ -64,6 +64,7 @@ AttemptKey = Annotated[tuple[str, str], Depends(attempt_key)]
 
 
 def _collaborators(request: Request) -> tuple[Recorder, ProxySettings]:
+    request.app.state.drain.touch()  # during a SIGTERM drain, agents still finish their attempts
     return request.app.state.recorder, request.app.state.settings.proxy
 
 

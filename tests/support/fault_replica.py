@@ -3,7 +3,7 @@
 Raw ASGI, vLLM-shaped. A request's `"fault"` object (the proxy forwards it untouched)
 picks the behaviour:
   {"status": 500}                      answer with that HTTP error (OpenAI shape)
-  {"delay_s": 0.2}                     wait before each streamed chunk
+  {"delay_s": 0.2}                     wait before each streamed chunk (before a whole answer)
   {"drop_after": 3}                    send 3 chunks, then cut the connection
   {"chunks": ["data: ...", ...]}      stream exactly these byte strings (odd boundaries welcome)
 `stats` counts requests and how many streams ended because the client went away.
@@ -82,6 +82,13 @@ class FaultReplica:
                                                                "param": None, "code": fault["status"]}})
             return
         if not request.get("stream"):
+            if fault.get("delay_s"):
+                gone = asyncio.ensure_future(receive())  # the body is read: the next message is a disconnect
+                done, _ = await asyncio.wait([gone], timeout=fault["delay_s"])
+                if done:
+                    self.stats.disconnects += 1
+                    return
+                gone.cancel()
             await self._json(send, 200, {"id": "chatcmpl-fault", "object": "chat.completion", "model": MODEL,
                                          "prompt_token_ids": [1, 2, 3],
                                          "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"},
