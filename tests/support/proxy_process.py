@@ -161,15 +161,26 @@ async def run_agents(url: str, n_agents: int, attempt_of: Any, body_of: Any, sto
         await asyncio.gather(*(agent(i) for i in range(n_agents)))
 
 
-def check_attempts(url: str, log: AgentLog, *, finish: bool = True) -> dict[str, int]:
+def check_attempts(url: str, log: AgentLog, *, finish: bool = True, is_proxy_alive: bool = False,
+                   violations: list[str] | None = None) -> dict[str, int]:
     """The crash guarantee, attempt by attempt; returns counts. Raises AssertionError on a violation.
 
     - every call the client saw complete is recorded `ok`, exactly once;
     - every call whose response started is recorded (ok, or interrupted when the proxy died);
     - a call no client saw start may be there only as `interrupted`;
     - seqs are 0..n-1 (no gap); an attempt with an interrupted call says `is_complete: false`,
-      in GET and in `finish`.
+      in GET and in `finish`;
+    - with `is_proxy_alive` (the proxy never died under the load): one record per call that got
+      an HTTP answer, whatever its status, and none for calls that got none.
+
+    A violation raises AssertionError, or, given `violations`, is appended to it (a soak counts them all).
     """
+
+    def fail(message: str) -> None:
+        if violations is None:
+            raise AssertionError(message)
+        violations.append(message)
+
     counts = {"attempts": 0, "calls": 0, "complete_seen": 0, "started_seen": 0, "interrupted": 0,
               "incomplete_attempts": 0, "ok": 0}
     with httpx.Client(timeout=120) as client:
@@ -177,35 +188,51 @@ def check_attempts(url: str, log: AgentLog, *, finish: bool = True) -> dict[str,
             got = client.get(f"{url}/rollout/{rid}/attempt/{aid}")
             seen_ids = {t.call_id for t in turns if t.call_id}
             if got.status_code == 404:
-                assert not seen_ids, f"{rid}/{aid}: no attempt but the client saw calls {seen_ids}"
+                if seen_ids:
+                    fail(f"{rid}/{aid}: no attempt but the client saw calls {seen_ids}")
                 continue
-            assert got.status_code == 200, got.text
+            if got.status_code != 200:
+                fail(f"{rid}/{aid}: GET answered {got.status_code} {got.text}")
+                continue
             attempt = got.json()
             calls = attempt["calls"]
             by_id: dict[str, dict[str, Any]] = {}
             for call in calls:
-                assert call["call_id"] not in by_id, f"{rid}/{aid}: call {call['call_id']} recorded twice"
+                if call["call_id"] in by_id:
+                    fail(f"{rid}/{aid}: call {call['call_id']} recorded twice")
                 by_id[call["call_id"]] = call
-            assert [c["seq"] for c in calls] == list(range(len(calls))), f"{rid}/{aid}: seq gap {calls}"
+            if [c["seq"] for c in calls] != list(range(len(calls))):
+                fail(f"{rid}/{aid}: seqs {[c['seq'] for c in calls]} have a gap")
             for turn in turns:
                 if turn.is_complete:
-                    assert turn.call_id in by_id, f"{rid}/{aid}: completed call {turn.call_id} missing"
-                    assert by_id[turn.call_id]["status"] == "ok", by_id[turn.call_id]
+                    if turn.call_id not in by_id:
+                        fail(f"{rid}/{aid}: completed call {turn.call_id} missing")
+                    elif by_id[turn.call_id]["status"] != "ok":
+                        fail(f"{rid}/{aid}: completed call recorded {by_id[turn.call_id]['status']}")
                     counts["complete_seen"] += 1
                 elif turn.call_id is not None and turn.http_status == 200:
-                    assert turn.call_id in by_id, f"{rid}/{aid}: started call {turn.call_id} missing"
-                    assert by_id[turn.call_id]["status"] in ("ok", "interrupted", "failed"), by_id[turn.call_id]
+                    if turn.call_id not in by_id:
+                        fail(f"{rid}/{aid}: started call {turn.call_id} missing")
+                    elif by_id[turn.call_id]["status"] not in ("ok", "interrupted", "failed"):
+                        fail(f"{rid}/{aid}: started call recorded {by_id[turn.call_id]['status']}")
                     counts["started_seen"] += 1
             for call in calls:
                 if call["call_id"] not in seen_ids:
-                    assert call["status"] in ("interrupted", "failed"), f"{rid}/{aid}: unseen call {call}"
+                    if call["status"] not in ("interrupted", "failed"):
+                        fail(f"{rid}/{aid}: unseen call {call['call_id']} recorded {call['status']}")
+            if is_proxy_alive:
+                answered = sum(t.http_status is not None for t in turns)
+                if len(calls) != answered:
+                    fail(f"{rid}/{aid}: {len(calls)} records for {answered} answered calls")
             interrupted = sum(c["status"] == "interrupted" for c in calls)
-            assert attempt["interrupted_calls"] == interrupted
-            assert attempt["is_complete"] is (interrupted == 0)
+            if attempt["interrupted_calls"] != interrupted or attempt["is_complete"] is not (interrupted == 0):
+                fail(f"{rid}/{aid}: GET says is_complete {attempt['is_complete']}, {interrupted} interrupted")
             if finish:
                 done = client.post(f"{url}/rollout/{rid}/attempt/{aid}/finish", json={"status": "succeeded"})
-                assert done.status_code == 200, done.text
-                assert done.json()["is_complete"] is (interrupted == 0), done.json()
+                if done.status_code != 200:
+                    fail(f"{rid}/{aid}: finish answered {done.status_code} {done.text}")
+                elif done.json()["is_complete"] is not (interrupted == 0):
+                    fail(f"{rid}/{aid}: finish says {done.json()}")
             counts["attempts"] += 1
             counts["calls"] += len(calls)
             counts["ok"] += sum(c["status"] == "ok" for c in calls)
