@@ -356,6 +356,7 @@ class Relay:
         headers = [(b"content-type", content_type.encode()), (b"cache-control", b"no-cache"),
                    (b"x-accel-buffering", b"no")]
         headers += [(k.encode(), v.encode()) for k, v in call.headers().items()]
+
         async def seal(kept: bytes, truncated: bool) -> None:
             call.body, call.truncated = kept, truncated
             await self._seal(call)
