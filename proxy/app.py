@@ -1,8 +1,9 @@
 """Builds the proxy application: `create_app(settings)`; owns start-up and shutdown order.
 
-Start: migrate (optional), engines, recorder, replica probes, active policy.
-Stop (after uvicorn has let in-flight calls end): probes, then the recorder's flush
-with a deadline (leftovers spooled), then connections.
+Start: migrate (optional), engines, journal recovery (records of a dead proxy are
+written before anything else), recorder, replica probes, active policy.
+Stop (after the SIGTERM drain and uvicorn have let in-flight calls end): probes, then the
+recorder's flush with a deadline (leftovers spooled), then the journal, then connections.
 """
 
 from __future__ import annotations
@@ -24,8 +25,10 @@ from proxy import store
 from proxy.access import KeyRing, Slots
 from proxy.admission import Admission
 from proxy.balancer import Balancer
+from proxy.drain import Drain
 from proxy.errors import error_response, install_error_handlers
 from proxy.hosted import load_hosted
+from proxy.journal import Journal, recover
 from proxy.keystore import ensure_key
 from proxy.limits import check_headers, limited_receive
 from proxy.openapi import install_openapi
@@ -135,7 +138,27 @@ async def _ensure_agent_key(app: FastAPI, key: str) -> None:
     await app.state.recorder.run(op, 30.0)
 
 
+def _journal(settings: Settings) -> Journal | None:
+    rec = settings.proxy.recorder
+    if not rec.journal:
+        return None
+    return Journal(rec.journal_dir or rec.spool_dir / "journal", fsync=rec.journal_fsync,
+                   segment_bytes=rec.journal_segment_bytes)
+
+
+async def _recover_journals(journal: Journal, recorder: Recorder) -> None:
+    """Write what dead proxies journaled (into the database, or the spool) before serving."""
+    recovery = await anyio.to_thread.run_sync(recover, journal.directory)
+    if recovery.files:
+        await recorder.recover(recovery.records)
+        logger.warning("journal: recovered %d record(s) of a stopped proxy, %d of them interrupted calls",
+                       len(recovery.records), recovery.interrupted)
+    recovery.release()
+
+
 def create_app(settings: Settings) -> ProxyApp:
+    drain = Drain()
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if settings.db.migrate_on_start:
@@ -151,7 +174,12 @@ def create_app(settings: Settings) -> ProxyApp:
         admission = Admission(settings.proxy.pool.pause_wait_s)
         hosted = load_hosted(settings.proxy.litellm_config)
         tracing = load_tracing(settings.proxy.tracing)
-        recorder = Recorder(settings.proxy.recorder, writer, writer_sync)
+        journal = _journal(settings)
+        recorder = Recorder(settings.proxy.recorder, writer, writer_sync,
+                            on_durable=journal.durable if journal is not None else None)
+        if journal is not None:
+            await _recover_journals(journal, recorder)
+            journal.open()
         keys = KeyRing(settings.proxy, reader)
         policy = ActivePolicy()
         app.state.settings = settings
@@ -164,7 +192,7 @@ def create_app(settings: Settings) -> ProxyApp:
         app.state.upstream = upstream
         app.state.relay = Relay(settings.proxy, upstream, balancer, policy, recorder, admission, hosted,
                                 on_policy_unknown=lambda: _resolve_policy(app), tracing=tracing,
-                                slots=Slots(settings.proxy.limits.max_calls_in_flight))
+                                slots=Slots(settings.proxy.limits.max_calls_in_flight), journal=journal, drain=drain)
         await recorder.start()
         if settings.proxy.agent_key is not None:
             await _ensure_agent_key(app, settings.proxy.agent_key.get_secret_value())
@@ -181,6 +209,8 @@ def create_app(settings: Settings) -> ProxyApp:
             await keys.stop()
             await balancer.stop()
             await recorder.stop(settings.proxy.shutdown_timeout_s)
+            if journal is not None:
+                journal.close()
             await upstream.close()
             await asyncio.gather(writer.dispose(), reader.dispose())
             if tracing is not None:
@@ -189,6 +219,7 @@ def create_app(settings: Settings) -> ProxyApp:
 
     app = ProxyApp(title="Rolltap proxy", version="1", lifespan=lifespan, routes=relayed_routes())
     app.limits = settings.proxy.limits
+    app.state.drain = drain
     app.include_router(lifecycle.router)
     app.include_router(health.router)
     app.include_router(admin.router)

@@ -6,8 +6,13 @@
 
 Every flag has an environment equivalent (`ROLLTAP_PROXY__REPLICAS`, `ROLLTAP_DB__URL`,
 `ROLLTAP_PROXY__HOST`, `ROLLTAP_PROXY__PORT`, ...) and a config-file key
-(`ROLLTAP_CONFIG=rolltap.toml`); flags win. SIGTERM stops accepting, lets in-flight
-calls end within `proxy.shutdown_timeout_s`, then flushes the recorder.
+(`ROLLTAP_CONFIG=rolltap.toml`); flags win.
+
+SIGTERM (or Ctrl+C) drains: new relayed calls get 503 `proxy_draining`, calls in flight
+may end within `proxy.shutdown_timeout_s`, and the listener stays open meanwhile so that
+reward, finish and GET attempt still answer (until `proxy.drain_grace_s` passed without
+any call); then uvicorn stops and the recorder flushes.
+A second signal stops at once (calls still in flight end as `interrupted`).
 """
 
 from __future__ import annotations
@@ -16,16 +21,18 @@ import argparse
 import logging
 import signal
 import sys
+from types import FrameType
 from typing import Any
 
 import uvicorn
 
 from proxy.app import create_app
+from proxy.drain import Drain
 from proxy.keystore import cli as keys_cli
 from shared.db.engine import redacted_url
 from shared.settings import Settings
 
-__all__ = ["main", "parse_settings"]
+__all__ = ["DrainingServer", "main", "parse_settings"]
 
 
 def parse_settings(argv: list[str] | None = None) -> Settings:
@@ -57,6 +64,36 @@ def _exit_cleanly(signum: int, frame: object) -> None:
     raise SystemExit(0)
 
 
+class DrainingServer(uvicorn.Server):
+    """uvicorn, except that the first SIGTERM/SIGINT drains before the listener closes.
+
+    uvicorn closes its listener as soon as the signal arrives, so the `finish` that follows
+    an agent's last call would find no proxy. Here the signal only starts the drain; the
+    server's own tick (every 0.1 s) turns it into uvicorn's usual graceful exit once the
+    drain is done.
+    """
+
+    def __init__(self, config: uvicorn.Config, drain: Drain, drain_timeout_s: float, grace_s: float) -> None:
+        super().__init__(config)
+        self._drain = drain
+        self._drain_timeout_s = drain_timeout_s
+        self._grace_s = grace_s
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self._drain.is_draining or not self.started:
+            super().handle_exit(sig, frame)  # a second signal, or not serving yet: uvicorn's own way
+            if self._drain.is_draining:
+                self.force_exit = True
+            return
+        self._captured_signals.append(sig)  # re-raised after shutdown, as uvicorn does
+        self._drain.begin(self._drain_timeout_s, self._grace_s)
+
+    async def on_tick(self, counter: int) -> bool:
+        if self._drain.is_done:
+            self.should_exit = True
+        return await super().on_tick(counter)
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["keys"]:
@@ -73,8 +110,9 @@ def main(argv: list[str] | None = None) -> None:
     # Secrets stay out of the log: SecretStr fields dump as "**********", the database password is masked.
     shown = settings.model_copy(update={"db": settings.db.model_copy(update={"url": redacted_url(settings.db.url)})})
     logging.getLogger(__name__).info("settings: %s", shown.model_dump_json())
+    app = create_app(settings)
     config = uvicorn.Config(
-        create_app(settings),
+        app,
         host=settings.proxy.host,
         port=settings.proxy.port,
         log_level=settings.proxy.log_level.lower(),
@@ -89,7 +127,7 @@ def main(argv: list[str] | None = None) -> None:
         h11_max_incomplete_event_size=settings.proxy.limits.max_header_bytes,
     )
     signal.signal(signal.SIGTERM, _exit_cleanly)  # restored by uvicorn after its shutdown, then re-raised
-    uvicorn.Server(config).run()
+    DrainingServer(config, app.state.drain, settings.proxy.shutdown_timeout_s, settings.proxy.drain_grace_s).run()
 
 
 if __name__ == "__main__":

@@ -111,8 +111,13 @@ DEAD_REASON = "_dead_reason"  # on each line of a dead-letter file: why the data
 
 
 class Recorder:
-    def __init__(self, settings: RecorderSettings, engine: AsyncEngine, sync_engine: Engine | None = None) -> None:
-        """`sync_engine`: write record batches through it, in a thread of their own (SQLite)."""
+    def __init__(self, settings: RecorderSettings, engine: AsyncEngine, sync_engine: Engine | None = None,
+                 on_durable: Callable[[list[CallRecord]], None] | None = None) -> None:
+        """`sync_engine`: write record batches through it, in a thread of their own (SQLite).
+
+        `on_durable(records)`: told when records are committed or spooled (the journal lets go of them).
+        """
+        self._on_durable = on_durable
         self._settings = settings
         self._engine = engine
         self._sync_engine = sync_engine
@@ -168,6 +173,8 @@ class Recorder:
         return True
 
     def _done(self, records: list[CallRecord]) -> None:
+        if self._on_durable is not None:
+            self._on_durable(records)
         for record in records:
             key = record.attempt_key
             pending = self._pending.get(key) if key is not None else None
@@ -186,6 +193,30 @@ class Recorder:
     @property
     def spooled_batches(self) -> int:
         return len(self._spool.files())
+
+    async def recover(self, records: list[CallRecord]) -> None:
+        """Before `start`: write records a dead process journaled, ahead of any new call.
+
+        Idempotent (records already committed are skipped), so a crash during recovery only
+        repeats it. Behind batches spooled earlier, or when the database is down, they are
+        spooled, keeping their order.
+        """
+        if not records:
+            return
+        if self._spool.files():
+            self._spool_write(records)
+            return
+        try:
+            await self._write(records, skip_existing=True)
+        except Exception as exc:  # noqa: BLE001 - classified below
+            if not _is_outage(exc):
+                await self._write_one_by_one(records)
+                return
+            self._on_outage(exc)
+            self._spool_write(records)
+            return
+        self.written_total += len(records)
+        metrics.RECORDS_WRITTEN.inc(len(records))
 
     # -- the writer task --------------------------------------------------------------------
 
@@ -304,6 +335,8 @@ class Recorder:
         self._spool.write(records)
         self._has_spool = True
         metrics.RECORDS_SPOOLED.inc(len(records))
+        if self._on_durable is not None:
+            self._on_durable(records)  # fsynced on disk: as safe as the journal
 
     async def _write_one_by_one(self, records: list[CallRecord]) -> None:
         for record in records:

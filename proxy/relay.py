@@ -7,7 +7,10 @@ Whatever the end (answer, replica error, replica gone, client gone, bad request)
 record is built and submitted exactly once: in `handle`'s `finally`, or, for streams,
 in `RelayStream`'s. Connect errors, 429 and 503 are retried on another replica with
 backoff, only before anything reached the client. Streamed bytes go to the client as
-they arrive, untouched; a bounded copy is parsed after the last byte was sent.
+they arrive, untouched; a bounded copy is parsed before the last byte is sent, so the
+record is in the journal (`proxy.journal`) by the time the client sees the call end.
+A client that leaves before the end is noticed (streamed or not), the replica's request
+is dropped and the call recorded `client_disconnected`.
 """
 
 from __future__ import annotations
@@ -32,13 +35,15 @@ from proxy.access import AgentKey, Slots
 from proxy.admission import Admission
 from proxy.assemble import assemble_stream, extract
 from proxy.balancer import Balancer, ReplicaState
+from proxy.drain import Drain
+from proxy.journal import Journal
 from proxy.limits import read_body
 from proxy.policy import ActivePolicy
 from proxy.recorder import Recorder
 from proxy.sse import SseParser
 from proxy.stream import RelayStream
 from proxy.upstream import Upstream, forwardable_headers
-from shared.errors import InvalidRequest, RolltapError, UpstreamTimeout, UpstreamUnavailable
+from shared.errors import InvalidRequest, RolltapError, ServiceUnavailable, UpstreamTimeout, UpstreamUnavailable
 from shared.settings import ProxySettings
 from shared.types import CallRecord, CallStatus, Route
 from shared.verbatim import MAX_DEPTH, ExactJsonError, depth_of, dumps_exact, loads_exact
@@ -108,6 +113,9 @@ class CallState:
     span: Span | None = None  # its trace span, when tracing is on
     agent: AgentKey | None = None  # the caller's key (None with open access)
     has_slot: bool = False  # counted in `Slots` until recorded
+    has_left: bool = False  # the client disconnected before the end
+    sealed: CallRecord | None = None  # the record journaled before the stream's last byte
+    sealed_len: int = 0  # bytes of body the sealed record was built from
 
     @property
     def key(self) -> tuple[str, str] | None:
@@ -140,6 +148,8 @@ class Relay:
         on_policy_unknown: Callable[[], Awaitable[None]] | None = None,
         tracing: Tracing | None = None,
         slots: Slots | None = None,
+        journal: Journal | None = None,
+        drain: Drain | None = None,
     ) -> None:
         self._settings = settings
         self._pool = settings.pool
@@ -154,6 +164,8 @@ class Relay:
         self._max_body = settings.recorder.max_body_bytes
         self._max_request = settings.limits.max_body_bytes
         self._slots = slots or Slots(settings.limits.max_calls_in_flight)
+        self._journal = journal
+        self._drain = drain or Drain()
 
     async def handle(self, request: Request, route: str, rollout_id: str | None, attempt_id: str | None,
                      agent: AgentKey | None = None) -> Response:
@@ -162,12 +174,21 @@ class Relay:
         if self._tracing is not None:
             call.span = self._tracing.start(route, request.headers, time.time_ns())
         self._recorder.begin(call.key)
+        self._drain.call_started()
+        if self._journal is not None:
+            self._journal.started(call.call_id, rollout_id, attempt_id, route, call.started_at, call.arrival)
         finishes_later = False  # a stream records itself when it ends
+        watcher: asyncio.Task[None] | None = None
         try:
+            if self._drain.is_draining:
+                raise ServiceUnavailable("the proxy is shutting down and takes no new calls; retry on another "
+                                         "proxy or once it is back", code="proxy_draining", retry_after_s=1.0)
             self._slots.take(agent)
             call.has_slot = True
             await self._admission.admit()
             raw = call.request_body = await read_body(request, self._max_request)
+            watcher = asyncio.get_running_loop().create_task(
+                self._watch_disconnect(request, call, asyncio.current_task()))
             if self._hosted is not None and (model := self._hosted.model_of(raw)) is not None:
                 response = await self._hosted.handle(self, call, route, raw, model)
                 finishes_later = isinstance(response, RelayStream)
@@ -178,7 +199,10 @@ class Relay:
             headers = forwardable_headers(request.headers)
             if call.span is not None:  # no per-call work at all while tracing is off
                 headers |= self.trace_headers(call)
-            upstream, replica = await self._send(call, self.payload(call, body), headers)
+            payload = self.payload(call, body)
+            if self._journal is not None:
+                self._journal.request(call.call_id, payload)
+            upstream, replica = await self._send(call, payload, headers)
             content_type = upstream.headers.get("content-type", "")
             if upstream.status == 200 and content_type.startswith("text/event-stream"):
                 finishes_later = True
@@ -187,6 +211,16 @@ class Relay:
                 return await self._relay_whole(call, upstream, content_type)
             finally:
                 self._balancer.call_ended(replica, call.http_status)
+        except asyncio.CancelledError:
+            # Our watcher's cancel (the client left): the call is recorded below; any other
+            # cancellation (server shutdown) goes on up once it is.
+            current = asyncio.current_task()
+            if not call.has_left or current is None or current.uncancel() > 0:
+                if not call.has_left:
+                    call.fail(CallStatus.INTERRUPTED, {"message": "the proxy shut down before the call ended",
+                                                       "type": "interrupted", "code": "proxy_shutdown"})
+                raise
+            return Response(status_code=499)  # nobody reads it: the client is gone
         except RolltapError as exc:
             status = CallStatus.INVALID_REQUEST if isinstance(exc, InvalidRequest) else CallStatus.FAILED
             call.fail(status, exc, exc.status_code)
@@ -196,8 +230,21 @@ class Relay:
                                           "type": "internal_error"}, 500)
             raise
         finally:
+            if watcher is not None:
+                watcher.cancel()  # a stream watches for itself (`RelayStream`)
             if not finishes_later:
                 await self.record(call)
+
+    @staticmethod
+    async def _watch_disconnect(request: Request, call: CallState, handler: asyncio.Task[Any] | None) -> None:
+        """Cancel the call's task when its client leaves before the answer (the body is read by then)."""
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        call.fail(CallStatus.CLIENT_DISCONNECTED, {"message": "client disconnected before the response ended",
+                                                   "type": "client_disconnected"})
+        call.has_left = True
+        if handler is not None:
+            handler.cancel()
 
     def trace_headers(self, call: CallState) -> dict[str, str]:
         """The `traceparent` (and `tracestate`) that passes this call's span on; empty without tracing."""
@@ -295,6 +342,9 @@ class Relay:
         started = time.perf_counter()
         try:
             body = await upstream.read()
+        except asyncio.CancelledError:
+            upstream.close()  # the client left: the replica drops the request with the connection
+            raise
         except TimeoutError as exc:
             upstream.close()
             call.http_status = 504
@@ -344,8 +394,13 @@ class Relay:
         headers = [(b"content-type", content_type.encode()), (b"cache-control", b"no-cache"),
                    (b"x-accel-buffering", b"no")]
         headers += [(k.encode(), v.encode()) for k, v in call.headers().items()]
+
+        async def seal(kept: bytes, truncated: bool) -> None:
+            call.body, call.truncated = kept, truncated
+            await self._seal(call)
+
         return RelayStream(call, chunks, status_code=200, headers=headers, max_kept_bytes=self._max_body,
-                           close=close, on_source_error=on_source_error, finish=finish)
+                           close=close, on_source_error=on_source_error, seal=seal, finish=finish)
 
     async def models(self) -> Response:
         """The model list of a healthy replica, as it sent it (clients probe it at start)."""
@@ -362,11 +417,37 @@ class Relay:
             raise
         return Response(body, status_code=status, media_type=content_type)
 
+    async def _seal(self, call: CallState) -> CallRecord:
+        """Build the record and journal it (fsynced with `journal_fsync`): the call survives a crash now."""
+        record = self._build(call)
+        call.sealed, call.sealed_len = record, len(call.body)
+        if self._journal is not None:
+            self._journal.ended(record)
+            await self._journal.sync()
+        return record
+
     async def record(self, call: CallState) -> None:
-        """Build the record from what the call left and queue it. Called exactly once per call."""
-        ended = time.perf_counter()
-        if call.has_slot:
+        """Queue the call's record (journaled first, unless a stream sealed it already). Once per call."""
+        record = call.sealed
+        if record is None or call.sealed_len != len(call.body) or call.status != call.sealed.status:
+            # Not sealed, or something happened after the seal (a late error event, a cut source).
+            record = await self._seal(call)
+        self._drain.call_ended()
+        if call.has_slot:  # here, not in `_build`: a call may be sealed twice, its slot is given back once
+            call.has_slot = False
             self._slots.give(call.agent)
+        if call.span is not None:
+            self._tracing.finish(call.span, record)  # type: ignore[union-attr]
+        route = call.route if call.route in metrics.ROUTES else "other"  # labels from a fixed set
+        _metric(metrics.REQUESTS, route, record.status).inc()
+        _metric(metrics.REQUEST_SECONDS, route).observe((record.ended_at - record.started_at).total_seconds())
+        if call.t_first_byte is not None:
+            _metric(metrics.TTFB_SECONDS, route).observe(call.t_first_byte - call.t0)
+        await self._recorder.submit(record)
+
+    def _build(self, call: CallState) -> CallRecord:
+        """The record of what the call left so far."""
+        ended = time.perf_counter()
         record = CallRecord(
             call_id=call.call_id,
             rollout_id=call.rollout_id,
@@ -392,14 +473,7 @@ class Relay:
         )
         if call.body:
             _fill_response(record, call)
-        if call.span is not None:
-            self._tracing.finish(call.span, record)  # type: ignore[union-attr]
-        route = call.route if call.route in metrics.ROUTES else "other"
-        _metric(metrics.REQUESTS, route, record.status).inc()
-        _metric(metrics.REQUEST_SECONDS, route).observe(ended - call.t0)
-        if call.t_first_byte is not None:
-            _metric(metrics.TTFB_SECONDS, route).observe(call.t_first_byte - call.t0)
-        await self._recorder.submit(record)
+        return record
 
 
 def _fill_response(record: CallRecord, call: CallState) -> None:

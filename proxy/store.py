@@ -22,7 +22,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from shared.db.models import Attempt, Call, PolicyVersion, Replica, Reward, Rollout, UndurableCall
 from shared.errors import Conflict, NotFound
-from shared.types import CallRecord
+from shared.types import CallRecord, CallStatus
 from shared.verbatim import db_safe, db_safe_text, dumps_exact, overlay_exact
 
 __all__ = [
@@ -31,6 +31,7 @@ __all__ = [
     "body_text",
     "dumps_json",
     "finish_attempt",
+    "interrupted_calls",
     "load_active_policy",
     "read_attempt",
     "register_rollout",
@@ -276,6 +277,14 @@ def remove_undurable_sync(conn: Connection, call_ids: list[str]) -> None:
     conn.execute(delete(UndurableCall).where(UndurableCall.call_id.in_(call_ids)))
 
 
+async def interrupted_calls(conn: AsyncConnection, rollout_id: str, attempt_id: str) -> int:
+    """Calls of the attempt cut by a proxy crash or shutdown: such an attempt is not complete."""
+    return int((await conn.execute(
+        select(func.count()).select_from(Call).where(
+            Call.rollout_id == rollout_id, Call.attempt_id == attempt_id, Call.status == CallStatus.INTERRUPTED)
+    )).scalar_one())
+
+
 def _iso(value: datetime | None) -> str | None:
     if value is None:
         return None
@@ -319,17 +328,23 @@ async def read_attempt(conn: AsyncConnection, rollout_id: str, attempt_id: str) 
             .order_by(Reward.id)
         )
     ).mappings()
+    call_list = [_call_out(c) for c in calls]
+    interrupted = sum(1 for c in call_list if c["status"] == CallStatus.INTERRUPTED)
     return {
         "object": "rolltap.attempt",
         "rollout_id": rollout_id,
         "attempt_id": attempt_id,
         "group_id": attempt["group_id"] or rollout_id,
         "status": attempt["status"],
+        # False when a call was cut by a proxy crash or shutdown, or its record waits in the
+        # dead-letter spool: the trajectory has a hole.
+        "is_complete": interrupted == 0 and not undurable,
+        "interrupted_calls": interrupted,
         "policy_version": attempt["policy_version"],
         "created_at": _iso(attempt["created_at"]),
         "finished_at": _iso(attempt["finished_at"]),
         "rewards": [{**r, "created_at": _iso(r["created_at"])} for r in rewards],
-        "calls": [_call_out(c) for c in calls],
+        "calls": call_list,
         # Calls this attempt made whose record the database refused (see `rolltap-proxy spool`).
         "is_durable": not undurable,
         "undurable_calls": [{**u, "created_at": _iso(u["created_at"])} for u in undurable],

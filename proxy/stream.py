@@ -33,6 +33,10 @@ class RelayStream(Response):
     replica's connection (vLLM aborts the request) and `finish()` records the call, all
     before this returns. A failing source ends the stream with a final error event: bytes
     have reached the client already, so no other replica may be tried.
+
+    `seal(kept, truncated)` runs before the stream's end reaches the client (before the
+    terminal event, or the empty last body message): the call's record is journaled by the
+    time the client can see the call complete, so a crash after that point loses nothing.
     """
 
     def __init__(
@@ -45,6 +49,7 @@ class RelayStream(Response):
         max_kept_bytes: int,
         close: Callable[[], None],
         on_source_error: Callable[[BaseException], dict[str, object]],
+        seal: Callable[[bytes, bool], Awaitable[None]],
         finish: Callable[[bytes, bool], Awaitable[None]],
     ) -> None:
         self._call = call
@@ -55,6 +60,7 @@ class RelayStream(Response):
         self._max_kept = max_kept_bytes
         self._close = close
         self._on_source_error = on_source_error
+        self._seal = seal
         self._finish = finish
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -93,12 +99,15 @@ class RelayStream(Response):
                             kept_bytes += len(chunk)
                         else:
                             truncated = True
-                        await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                        # Clients hang up on the terminal event without waiting for the
-                        # source to close: from here on, leaving is not a disconnect.
                         if is_terminal(chunk):
+                            # Clients hang up on the terminal event without waiting for the
+                            # source to close: from here on, leaving is not a disconnect.
                             is_complete = True
-                    is_complete = True
+                            await self._seal(b"".join(kept), truncated)
+                        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                    if not is_complete:
+                        is_complete = True
+                        await self._seal(b"".join(kept), truncated)
                     await send({"type": "http.response.body", "body": b"", "more_body": False})
                 except Exception as exc:  # noqa: BLE001 - any source failure ends the stream the same way
                     is_complete = True
@@ -111,6 +120,10 @@ class RelayStream(Response):
                 # Our own watcher's cancel ends the relay (the call is recorded below); any
                 # other cancellation (server shutdown) goes on up once the call is recorded.
                 if not left or relay.uncancel() > 0:
+                    if not left and not is_complete:
+                        call.fail(CallStatus.INTERRUPTED,  # type: ignore[attr-defined]
+                                  {"message": "the proxy shut down before the stream ended",
+                                   "type": "interrupted", "code": "proxy_shutdown"})
                     raise
         finally:
             # Cancelled before anything else can run: from here on the watcher cannot cancel us.

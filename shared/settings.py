@@ -78,6 +78,28 @@ class RecorderSettings(BaseModel):
         ge=1024,
         description="Largest response body kept for a record; beyond it the stored body is cut and flagged.",
     )
+    journal: bool = Field(
+        default=True,
+        description="Journal every call on local disk (its start, then its record before the client gets the "
+        "last byte) so that a `kill -9` of the proxy loses nothing: on start, records of a dead process are "
+        "written from its journal and calls it left in flight become `interrupted` records.",
+    )
+    journal_dir: Path | None = Field(
+        default=None,
+        description="Where journals live (one file set per process, recovered only once its owner is dead); "
+        "default `<spool_dir>/journal`.",
+    )
+    journal_fsync: bool = Field(
+        default=False,
+        description="fsync the journal (grouped across concurrent calls) before a call's last byte goes out. "
+        "Off, a journaled call survives the proxy's death but not the machine's (power loss, kernel panic).",
+    )
+    journal_segment_bytes: int = Field(
+        default=64 * 1024 * 1024,
+        ge=4096,
+        description="A journal file is rotated at this size and deleted once all its calls are in the database "
+        "or the spool.",
+    )
 
 
 class PoolSettings(BaseModel):
@@ -208,7 +230,17 @@ class ProxySettings(BaseModel):
         default=60.0, gt=0, description="How long `finish` waits for the attempt's calls still in flight."
     )
     shutdown_timeout_s: float = Field(
-        default=30.0, gt=0, description="On SIGTERM: how long in-flight calls and the record flush may take."
+        default=30.0,
+        gt=0,
+        description="On SIGTERM: new relayed calls get 503 `proxy_draining` while calls in flight may take this "
+        "long to end (lifecycle routes keep answering meanwhile); the record flush then gets as long again.",
+    )
+    drain_grace_s: float = Field(
+        default=2.0,
+        ge=0,
+        description="On SIGTERM, once no relayed call is in flight: how long the proxy still answers lifecycle "
+        "calls (an agent's `finish` follows its last call) before it exits; each reward, finish or "
+        "registration restarts it, within `shutdown_timeout_s`.",
     )
     recorder: RecorderSettings = Field(default_factory=RecorderSettings)
     pool: PoolSettings = Field(default_factory=PoolSettings)

@@ -37,6 +37,8 @@ class CallStatus(StrEnum):
     FAILED = "failed"  # no usable answer: replica unreachable, timed out, or died mid-stream
     CLIENT_DISCONNECTED = "client_disconnected"  # the client left before the response ended
     INVALID_REQUEST = "invalid_request"  # rejected by the proxy before reaching a replica
+    # The proxy died (kill -9, crash) while the call was in flight: written from its journal on restart.
+    INTERRUPTED = "interrupted"
 
 
 class AttemptStatus(StrEnum):

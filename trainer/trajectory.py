@@ -34,6 +34,9 @@ class DropReason(StrEnum):
     PROMPT_TOO_LONG = "prompt_too_long"  # a new triplet's prompt over `max_prompt_len`
     RESPONSE_TOO_LONG = "response_too_long"  # one completion over `max_response_len`
     TRUNCATED = "truncated"  # finish_reason "length" and `drop_truncated` is on
+    # A call of the attempt was cut by a proxy crash or shutdown (`interrupted`): the trajectory
+    # has a hole, so none of the attempt's calls is used.
+    INCOMPLETE_ATTEMPT = "incomplete_attempt"
 
 
 class Tokenizer(Protocol):
@@ -208,6 +211,7 @@ def build_triplets(
     does not break the sequence. A call that would push the response past
     `max_response_len` starts a new triplet rather than being dropped. Re-tokenised calls
     never merge: their tokens are a reconstruction, and a flagged triplet must stay one call.
+    An attempt with an `interrupted` call (cut by a proxy crash) gives no triplet at all.
     """
     limits = limits or BuildLimits()
     triplets: list[Triplet] = []
@@ -219,6 +223,11 @@ def build_triplets(
     def drop(call: CallRow, reason: DropReason, detail: str | None = None) -> None:
         drops.append(Drop(call.call_id, call.rollout_id, call.attempt_id, call.seq, reason, detail))
 
+    cut = [c.seq for c in calls if c.status == "interrupted"]
+    if cut:
+        for call in sorted(calls, key=lambda c: c.seq):
+            drop(call, DropReason.INCOMPLETE_ATTEMPT, f"interrupted call(s) at seq {cut}")
+        return triplets, drops
     for call in sorted(calls, key=lambda c: c.seq):
         if call.status != "ok":
             drop(call, DropReason.NOT_OK, f"call status {call.status}")

@@ -43,8 +43,9 @@ async def readyz(request: Request) -> Response:
         "replica": state.balancer.has_healthy,
         "recorder_queue_depth": state.recorder.queue_depth,
         "dead_letter_records": state.recorder.dead_letter_records,
+        "draining": state.drain.is_draining,  # SIGTERM: takes no new relayed calls
     }
-    ready = bool(checks["database"] and checks["replica"])
+    ready = bool(checks["database"] and checks["replica"] and not checks["draining"])
     # Degraded: still serving (200, so a load balancer keeps sending calls), but records the
     # database refused wait in the dead-letter spool for `rolltap-proxy spool replay`.
     status = ("degraded" if checks["dead_letter_records"] else "ready") if ready else "not_ready"

@@ -73,6 +73,7 @@ AttemptKey = Annotated[tuple[str, str], Depends(attempt_key)]
 
 
 def _collaborators(request: Request) -> tuple[Recorder, ProxySettings]:
+    request.app.state.drain.touch()  # during a SIGTERM drain, agents still finish their attempts
     return request.app.state.recorder, request.app.state.settings.proxy
 
 
@@ -119,11 +120,11 @@ async def finish(key: AttemptKey, body: FinishIn, request: Request) -> dict[str,
     recorder, settings = _collaborators(request)
     await _barrier(recorder, key, settings.finish_timeout_s)
 
-    async def op(conn: AsyncConnection) -> list[dict[str, Any]]:
+    async def op(conn: AsyncConnection) -> tuple[list[dict[str, Any]], int]:
         await store.finish_attempt(conn, *key, body.status, body.reward)
-        return await store.undurable_calls(conn, *key)
+        return await store.undurable_calls(conn, *key), await store.interrupted_calls(conn, *key)
 
-    undurable = await recorder.run(op, settings.finish_timeout_s)
+    undurable, interrupted = await recorder.run(op, settings.finish_timeout_s)
     request.app.state.balancer.attempt_finished(*key)  # its replica binding may go
     if undurable:
         # The status is recorded; the attempt is not complete until `rolltap-proxy spool replay`.
@@ -132,8 +133,9 @@ async def finish(key: AttemptKey, body: FinishIn, request: Request) -> dict[str,
             f"attempt {key[0]}/{key[1]} finished as {body.status!r}, but {len(undurable)} of its call records "
             f"could not be written ({reasons}); they wait in the proxy's dead-letter spool "
             "(`rolltap-proxy spool list`)", code="attempt_not_durable")
+    # A call cut by a proxy crash leaves a hole: the attempt is finished but not complete.
     return {"object": "rolltap.attempt", "rollout_id": key[0], "attempt_id": key[1], "status": body.status,
-            "is_durable": True}
+            "is_durable": True, "is_complete": interrupted == 0, "interrupted_calls": interrupted}
 
 
 @router.get("/rollout/{rollout_id}/attempt/{attempt_id}")

@@ -114,10 +114,11 @@ def test_flags_then_sigterm_lets_a_stream_finish(replica: str, tmp_path: Path) -
         assert first_chunk.wait(30)
         proc.send_signal(signal.SIGTERM)
         time.sleep(0.3)
-        # Stop accepting: a new connection is refused while the stream is still going.
+        # Draining: no new relayed call, but the proxy still answers while the stream goes on.
         assert proc.poll() is None and client.is_alive()
-        with pytest.raises(httpx.ConnectError):
-            httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2)
+        refused = _chat(port, "cli-late", max_tokens=2)
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "proxy_draining"
+        assert httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2).status_code == 200
         client.join(timeout=30)
         assert proc.wait(timeout=30) == 0, (tmp_path / "proxy.log").read_text()
 
@@ -127,7 +128,8 @@ def test_flags_then_sigterm_lets_a_stream_finish(replica: str, tmp_path: Path) -
     assert len(events) == 11 and events[-1] == b"data: [DONE]"  # the whole stream, to the end
 
     rows = _rows(db_url)
-    assert [(r.seq, r.status, r.is_streaming) for r in rows] == [(0, "ok", False), (1, "ok", True)]
+    assert [(r.rollout_id, r.seq, r.status, r.is_streaming) for r in rows] == [
+        ("cli", 0, "ok", False), ("cli", 1, "ok", True), ("cli-late", 0, "failed", False)]  # refused: recorded
     streamed = rows[1]
     assert streamed.finish_reason == "length"
     assert json.loads(streamed.completion_token_ids) == list(range(100, 110))  # SQLite hands JSON back as text

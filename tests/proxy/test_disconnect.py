@@ -70,3 +70,20 @@ def test_disconnect_cancels_upstream(proxy_for: ProxyFactory) -> None:
     (call,) = attempt["calls"]
     assert call["status"] == "client_disconnected"
     assert 2 <= len(call["completion_token_ids"]) < 50
+
+
+def test_disconnect_before_a_whole_answer(proxy_for: ProxyFactory) -> None:
+    # Not streamed: the client gives up (timeout) while the replica is still working.
+    replica = FaultReplica()
+    with serve_in_thread(replica) as (url, _), proxy_for([url]) as proxy:
+        body = {"model": "m", "messages": [], "fault": {"delay_s": 3.0}}
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{proxy.base_url('d3', 'a1')}/chat/completions", json=body, timeout=0.5)
+        _wait(lambda: replica.stats.disconnects == 1)  # the proxy dropped the replica's request
+        attempt = httpx.get(f"{proxy.url}/rollout/d3/attempt/a1").json()
+        ok = httpx.post(f"{proxy.base_url('d3', 'a1')}/chat/completions", json={"model": "m", "messages": []})
+        assert ok.status_code == 200  # the proxy is fine afterwards
+    (call,) = attempt["calls"]
+    assert call["status"] == "client_disconnected"
+    assert call["error"]["type"] == "client_disconnected"
+    assert call["response"] is None

@@ -3,7 +3,7 @@
 Raw ASGI, vLLM-shaped. A request's `"fault"` object (the proxy forwards it untouched)
 picks the behaviour:
   {"status": 500}                      answer with that HTTP error (OpenAI shape)
-  {"delay_s": 0.2}                     wait before each streamed chunk
+  {"delay_s": 0.2}                     wait before each streamed chunk (before a whole answer)
   {"drop_after": 3}                    send 3 chunks, then cut the connection
   {"chunks": ["data: ...", ...]}      stream exactly these byte strings (odd boundaries welcome)
   {"sleep_s": 1.0}                     wait before a non-streamed answer
@@ -100,6 +100,13 @@ class FaultReplica:
             await self._echo(send, request, fault)
             return
         if not request.get("stream"):
+            if fault.get("delay_s"):
+                gone = asyncio.ensure_future(receive())  # the body is read: the next message is a disconnect
+                done, _ = await asyncio.wait([gone], timeout=fault["delay_s"])
+                if done:
+                    self.stats.disconnects += 1
+                    return
+                gone.cancel()
             if fault.get("sleep_s"):
                 await asyncio.sleep(fault["sleep_s"])
             content = "x" * fault["pad_bytes"] if fault.get("pad_bytes") else "ok"

@@ -239,3 +239,17 @@ def test_retokenised_completions_route(tiny_tokenizer: Any) -> None:
     assert t.retokenized
     assert tiny_tokenizer.decode(t.prompt_ids) == "The cat reads"
     assert tiny_tokenizer.decode(t.response_ids) == " a book today."
+
+
+def test_attempt_with_an_interrupted_call_gives_no_triplet() -> None:
+    # seq 1 was cut by a proxy crash: seq 2's prompt still extends seq 0, but the trajectory
+    # misses a turn's answer, so nothing of the attempt is learned from, each call with its reason.
+    calls = [
+        call(0, [1, 2], [3]),
+        call(1, [1, 2, 3, 4], [], status="interrupted", prompt_token_ids=None, completion_token_ids=None),
+        call(2, [1, 2, 3, 4, 5], [6]),
+    ]
+    triplets, drops = build_triplets(calls)
+    assert triplets == []
+    assert [(d.call_id, d.reason) for d in drops] == [(f"c{i}", DropReason.INCOMPLETE_ATTEMPT) for i in range(3)]
+    assert drops[0].detail == "interrupted call(s) at seq [1]"

@@ -1,0 +1,283 @@
+"""The call journal: what a `kill -9` of the proxy would otherwise lose, on local disk.
+
+Each proxy process appends to its own files (`<owner>.<n>.jsonl`, owner = pid and 32
+random bits) and holds an exclusive `flock` on `<owner>.lock` for its whole life:
+
+    {"s": call_id, ...}       a call started (before admission: it may never get further)
+    {"q": call_id, "request"} the request as sent upstream (the bytes already encoded for it)
+    {"e": record}             the call's record, written before its last byte reaches the client
+
+Writes are plain `os.write` on an `O_APPEND` descriptor: the data is in the kernel's
+page cache when `write` returns, so it survives the death of the process without an
+fsync; only a machine crash needs `journal_fsync` (grouped: one fsync in a thread
+serves every call waiting at that moment).
+
+A file is rotated at `journal_segment_bytes` and deleted once every call it started
+is committed or spooled (`durable`). On start, `recover` claims the files of owners
+whose lock is free (their process is dead: the kernel drops a dead process's locks),
+and turns them into records: the journaled record of a call that ended, an
+`interrupted` record for a call that started and never ended. They are written
+before the proxy serves, idempotently (by call id), and the files removed after.
+
+It must not touch the database or HTTP: the recorder writes what `recover` returns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import dataclasses
+import fcntl
+import logging
+import os
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from operator import attrgetter
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from shared.types import CallRecord, CallStatus
+from shared.verbatim import ExactJsonError, dumps_exact, loads_exact
+
+__all__ = ["Journal", "Recovery", "recover"]
+
+logger = logging.getLogger(__name__)
+
+_LOCK_SUFFIX = ".lock"
+_FIELDS = tuple(f.name for f in dataclasses.fields(CallRecord))
+_values = attrgetter(*_FIELDS)
+_TIME_FIELDS = ("started_at", "ended_at", "first_byte_at")
+_BYTE_FIELDS = ("request_body", "response_body")
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+class Journal:
+    """This process's journal. `open()` before the first call; `close()` after the last record is durable."""
+
+    def __init__(self, directory: Path, *, fsync: bool = False, segment_bytes: int = 64 * 1024 * 1024) -> None:
+        self.directory = directory
+        self._fsync = fsync
+        self._segment_bytes = segment_bytes
+        self._owner = f"{os.getpid()}-{os.urandom(4).hex()}"
+        self._lock_fd = -1
+        self._fd = -1
+        self._segment = 0
+        self._size = 0
+        self._open_calls: dict[str, int] = {}  # call id -> the segment its start is in
+        self._segment_calls: dict[int, int] = {}  # segment -> its calls not yet durable
+        self._written = 0  # writes so far, and the count the last fsync covered
+        self._synced = 0
+        self._sync_task: asyncio.Task[None] | None = None
+
+    @property
+    def owner(self) -> str:
+        return self._owner
+
+    @property
+    def open_calls(self) -> int:
+        return len(self._open_calls)
+
+    def open(self) -> None:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        # Locked under a temporary name, then renamed: a recovering process never sees our
+        # lock file unlocked and takes us for dead.
+        tmp = self.directory / f".{self._owner}.lock-new"
+        self._lock_fd = os.open(tmp, os.O_RDWR | os.O_CREAT, 0o644)
+        fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.rename(tmp, self.directory / f"{self._owner}{_LOCK_SUFFIX}")
+        self._open_segment()
+
+    def _segment_path(self, n: int) -> Path:
+        return self.directory / f"{self._owner}.{n:06d}.jsonl"
+
+    def _open_segment(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            if self._segment_calls.get(self._segment, 0) == 0:
+                self._remove_segment(self._segment)
+        self._segment += 1
+        self._size = 0
+        self._segment_calls[self._segment] = 0
+        self._fd = os.open(self._segment_path(self._segment), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+
+    def _remove_segment(self, n: int) -> None:
+        self._segment_calls.pop(n, None)
+        self._segment_path(n).unlink(missing_ok=True)
+
+    def _append(self, line: bytes) -> None:
+        _write_all(self._fd, line)
+        self._size += len(line)
+        self._written += 1
+
+    # -- the hot path ---------------------------------------------------------------------
+
+    def started(self, call_id: str, rollout_id: str | None, attempt_id: str | None, route: str,
+                started_at: datetime, arrival: int) -> None:
+        if self._size >= self._segment_bytes:
+            self._open_segment()
+        self._open_calls[call_id] = self._segment
+        self._segment_calls[self._segment] += 1
+        self._append(orjson.dumps({"s": call_id, "r": rollout_id, "a": attempt_id, "route": route,
+                                   "t": started_at, "n": arrival}) + b"\n")
+
+    def request(self, call_id: str, payload: bytes) -> None:
+        """The request as sent upstream: `payload` is already JSON, spliced in without re-encoding."""
+        self._append(b'{"q":' + orjson.dumps(call_id) + b',"request":' + payload + b"}\n")
+
+    def ended(self, record: CallRecord) -> None:
+        # A shallow dict in `CallRecord.from_json`'s encoding (RFC 3339 datetimes, base64 bytes)
+        # rather than `to_json`, whose deep copy (`asdict`) cost ~100x the encoding. `dumps_exact`:
+        # what a client or model sent (lone surrogates, huge numbers) is journaled exactly too.
+        row = dict(zip(_FIELDS, _values(record), strict=True))
+        for name in _TIME_FIELDS:
+            if row[name] is not None:
+                row[name] = row[name].isoformat()
+        for name in _BYTE_FIELDS:
+            if row[name] is not None:
+                row[name] = base64.b64encode(row[name]).decode()
+        try:
+            line = dumps_exact(row)
+        except ExactJsonError:  # nested too deep to write: the exact bodies carry it
+            line = dumps_exact({**row, "request": None, "response": None})
+        self._append(b'{"e":' + line + b"}\n")
+
+    async def sync(self) -> None:
+        """With `journal_fsync`: return once everything written so far is fsynced (group commit)."""
+        if not self._fsync:
+            return
+        target = self._written
+        while self._synced < target:
+            if self._sync_task is None or self._sync_task.done():
+                self._sync_task = asyncio.get_running_loop().create_task(self._sync_once())
+            await asyncio.shield(self._sync_task)
+
+    async def _sync_once(self) -> None:
+        upto = self._written
+        await asyncio.get_running_loop().run_in_executor(None, os.fsync, self._fd)
+        self._synced = max(self._synced, upto)
+
+    def durable(self, records: list[CallRecord]) -> None:
+        """These records are committed or spooled: their journal lines are no longer needed."""
+        for record in records:
+            segment = self._open_calls.pop(record.call_id, None)
+            if segment is None:
+                continue  # recovered from an earlier process, or already durable
+            left = self._segment_calls[segment] - 1
+            self._segment_calls[segment] = left
+            if left == 0 and segment != self._segment:
+                self._remove_segment(segment)
+
+    def close(self) -> None:
+        """Stop journaling; the files go when nothing in them is still needed (a clean stop)."""
+        if self._fd < 0:
+            return
+        os.close(self._fd)
+        self._fd = -1
+        if self._open_calls:
+            logger.warning("journal: %d call(s) not durable at stop; %s kept for the next start",
+                           len(self._open_calls), self.directory)
+        else:
+            for n in list(self._segment_calls):
+                self._remove_segment(n)
+            (self.directory / f"{self._owner}{_LOCK_SUFFIX}").unlink(missing_ok=True)
+        os.close(self._lock_fd)  # releases the lock: what is left is recovered by the next start
+        self._lock_fd = -1
+
+
+@dataclass
+class Recovery:
+    """Records rebuilt from the journals of dead processes, and the files to remove once they are safe."""
+
+    records: list[CallRecord] = field(default_factory=list)
+    interrupted: int = 0
+    files: list[Path] = field(default_factory=list)
+    _lock_fds: list[int] = field(default_factory=list)
+
+    def release(self) -> None:
+        """The records are committed or spooled: remove the journals (locks last) and let go of them."""
+        for path in sorted(self.files, key=lambda p: p.suffix == _LOCK_SUFFIX):
+            path.unlink(missing_ok=True)
+        self.files.clear()
+        for fd in self._lock_fds:
+            os.close(fd)
+        self._lock_fds.clear()
+
+
+def recover(directory: Path) -> Recovery:
+    """Claim and read the journals of dead owners in `directory` (their locks stay held until `release`)."""
+    out = Recovery()
+    if not directory.is_dir():
+        return out
+    for lock in sorted(directory.glob(f"*{_LOCK_SUFFIX}")):
+        fd = os.open(lock, os.O_RDWR)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)  # its owner is alive
+            continue
+        if not lock.exists():  # another process recovered and removed it meanwhile
+            os.close(fd)
+            continue
+        out._lock_fds.append(fd)
+        owner = lock.name[: -len(_LOCK_SUFFIX)]
+        segments = sorted(directory.glob(f"{owner}.*.jsonl"))
+        records, interrupted = _read(segments)
+        out.records.extend(records)
+        out.interrupted += interrupted
+        out.files.extend([*segments, lock])
+    seen: set[str] = set()
+    unique = []
+    for record in out.records:
+        if record.call_id not in seen:
+            seen.add(record.call_id)
+            unique.append(record)
+    out.records = sorted(unique, key=lambda r: (r.started_at, r.arrival))
+    return out
+
+
+def _read(segments: list[Path]) -> tuple[list[CallRecord], int]:
+    starts: dict[str, dict[str, Any]] = {}
+    requests: dict[str, Any] = {}
+    ends: dict[str, dict[str, Any]] = {}
+    last_write = datetime.fromtimestamp(0, UTC)
+    for path in segments:
+        last_write = max(last_write, datetime.fromtimestamp(path.stat().st_mtime, UTC))
+        for line in path.read_bytes().splitlines():
+            try:
+                entry = loads_exact(line)
+            except ExactJsonError:
+                continue  # the last line of a process killed mid-write
+            if "e" in entry:
+                ends[entry["e"]["call_id"]] = entry["e"]
+            elif "s" in entry:
+                starts[entry["s"]] = entry
+            elif "q" in entry:
+                requests[entry["q"]] = entry["request"]
+    records = [CallRecord.from_json(end) for end in ends.values()]
+    interrupted = 0
+    for call_id, start in starts.items():
+        if call_id in ends:
+            continue
+        interrupted += 1
+        started_at = datetime.fromisoformat(start["t"])
+        records.append(CallRecord(
+            call_id=call_id, rollout_id=start["r"], attempt_id=start["a"], route=start["route"],
+            is_streaming=bool(isinstance(requests.get(call_id), dict) and requests[call_id].get("stream")),
+            status=CallStatus.INTERRUPTED,
+            started_at=started_at,
+            # The journal's last write: the latest the process can have been alive.
+            ended_at=max(started_at, last_write),
+            error={"message": "the proxy stopped (killed or crashed) before this call ended; "
+                              "its answer, if any, was not kept", "type": "interrupted", "param": None,
+                   "code": "proxy_interrupted"},
+            request=requests.get(call_id),
+            arrival=int(start.get("n", 0)),
+        ))
+    return records, interrupted

@@ -1,0 +1,96 @@
+"""The call journal on its own: what a dead process leaves is recovered, a live one's is not touched."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from datetime import UTC, datetime
+from pathlib import Path
+
+from proxy.journal import Journal, recover
+from shared.types import CallRecord, CallStatus
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# A process that journals two calls (one ended, one not), then waits to be killed.
+WRITER = textwrap.dedent("""
+    import sys, time
+    from datetime import UTC, datetime
+    from pathlib import Path
+    from proxy.journal import Journal
+    from shared.types import CallRecord
+    j = Journal(Path(sys.argv[1]))
+    j.open()
+    now = datetime.now(UTC)
+    j.started("call-done", "r", "a", "chat/completions", now, 0)
+    j.request("call-done", b'{"messages":[{"role":"user","content":"hi\\\\u0000"}],"stream":true}')
+    j.ended(CallRecord(call_id="call-done", rollout_id="r", attempt_id="a", route="chat/completions",
+                       is_streaming=True, status="ok", started_at=now, ended_at=now,
+                       response={"choices": [{"message": {"content": "yo"}}]}, completion_token_ids=[1, 2]))
+    j.started("call-cut", "r", "a", "chat/completions", now, 1)
+    j.request("call-cut", b'{"messages":[],"stream":true}')
+    print("ready", flush=True)
+    time.sleep(60)
+""")
+
+
+def _record(call_id: str) -> CallRecord:
+    now = datetime.now(UTC)
+    return CallRecord(call_id=call_id, rollout_id="r", attempt_id="a", route="chat/completions",
+                      is_streaming=False, status="ok", started_at=now, ended_at=now)
+
+
+def test_dead_owner_recovered_live_owner_left_alone(tmp_path: Path) -> None:
+    live = Journal(tmp_path)
+    live.open()
+    live.started("call-live", "r", "b", "chat/completions", datetime.now(UTC), 0)
+
+    proc = subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path)], stdout=subprocess.PIPE,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.stdout is not None and proc.stdout.readline().strip() == b"ready"
+    assert recover(tmp_path).records == []  # its owner is alive: not ours to take
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(10)
+    # The dead process's last line is half written.
+    (segment,) = [p for p in tmp_path.glob(f"{proc.pid}-*.jsonl")]
+    with open(segment, "ab") as fh:
+        fh.write(b'{"e": {"call_id": "call-torn", "rol')
+
+    recovery = recover(tmp_path)
+    done, cut = recovery.records
+    assert (done.call_id, done.status, done.completion_token_ids) == ("call-done", "ok", [1, 2])
+    assert done.response == {"choices": [{"message": {"content": "yo"}}]}
+    assert (cut.call_id, cut.status, cut.error["code"]) == ("call-cut", CallStatus.INTERRUPTED, "proxy_interrupted")
+    assert cut.request == {"messages": [], "stream": True} and cut.is_streaming
+    assert cut.ended_at >= cut.started_at
+    assert recovery.interrupted == 1
+    # A second recoverer cannot take the same files while the first holds them.
+    assert recover(tmp_path).records == []
+    recovery.release()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in tmp_path.glob(f"{live.owner}*"))
+    assert recover(tmp_path).records == []  # nothing left but the live journal
+    live.durable([_record("call-live")])
+    live.close()
+    assert list(tmp_path.iterdir()) == []  # a clean stop leaves nothing
+
+
+def test_segments_go_once_their_calls_are_durable(tmp_path: Path) -> None:
+    journal = Journal(tmp_path, segment_bytes=4096)
+    journal.open()
+    records = [_record(f"call-{i}") for i in range(200)]
+    for i, record in enumerate(records):
+        journal.started(record.call_id, "r", "a", "chat/completions", record.started_at, i)
+        journal.ended(record)
+    segments = sorted(tmp_path.glob("*.jsonl"))
+    assert len(segments) > 3  # rotated
+    journal.durable(records[:100])
+    left = sorted(tmp_path.glob("*.jsonl"))
+    assert segments[0] not in left and len(left) < len(segments)  # the early ones are gone
+    journal.durable(records[100:])
+    assert len(list(tmp_path.glob("*.jsonl"))) == 1  # only the one being written
+    assert journal.open_calls == 0
+    journal.close()
+    assert list(tmp_path.iterdir()) == []
