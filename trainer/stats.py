@@ -14,7 +14,7 @@ from collections import Counter, defaultdict
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Connection, and_, exists, func, select
+from sqlalchemy import Connection, and_, exists, false, func, select
 
 from shared.db.models import Attempt, Call, ExportAttempt, PolicyVersion, Reward, TrainingStepAttempt
 from shared.settings import TrainerSettings
@@ -92,7 +92,7 @@ def collect_stats(conn: Connection, settings: TrainerSettings, *, now: datetime 
         .select_from(Attempt)
         .where(
             Attempt.status.in_(eligible_statuses(settings)),
-            version < current - settings.max_staleness,
+            version < current - settings.max_staleness if settings.staleness_gate else false(),
             has_reward,
             ~exists().where(TrainingStepAttempt.attempt_pk == Attempt.id),
             ~exists().where(ExportAttempt.attempt_pk == Attempt.id),
