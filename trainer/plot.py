@@ -41,6 +41,7 @@ def plot_steps(steps: Sequence[tuple[int, dict[str, Any]]], out: Path, *, title:
         out = out / "training.png"
     if not steps:
         raise ValueError("no training steps recorded: nothing to plot")
+    out.parent.mkdir(parents=True, exist_ok=True)
     fig, axes = plt.subplots(1, len(PANELS), figsize=(4.2 * len(PANELS), 3.4))
     for ax, (key, label) in zip(axes, PANELS, strict=True):
         points = [(step, float(m[key])) for step, m in steps if isinstance(m.get(key), int | float)]
