@@ -12,7 +12,8 @@ longest response in the batch:
     response_mask      (B, R)    int64  1 on generated tokens only: what the loss sees
     token_level_scores (B, R)    float32  the triplet's reward on its last response token
     token_level_rewards(B, R)    float32  same (a KL-in-reward step would subtract from it)
-    advantages         (B, R)    float32  the triplet's advantage (`Sample.advantage`) on its generated tokens
+    advantages         (B, R)    float32  the triplet's advantage (`Sample.advantage`) on its generated tokens;
+                                          absent when any sample has none (the update then computes them)
     temperature        (B,)      float32  the sampling temperature of the row (the update rescales logits by it)
     rollout_log_probs  (B, R)    float32  the replica's logprobs; 0 where masked or unknown
     has_rollout_log_probs (B,)   bool   False for re-tokenised triplets and padding rows
@@ -125,7 +126,8 @@ def build_batch(
         response_mask[i, :n_r] = t.response_mask
         # The last response token is always generated: a triplet ends with a completion.
         scores[i, n_r - 1] = s.reward
-        advantages[i, :n_r] = np.asarray(t.response_mask, dtype=np.float32) * np.float32(s.advantage)
+        if s.advantage is not None:
+            advantages[i, :n_r] = np.asarray(t.response_mask, dtype=np.float32) * np.float32(s.advantage)
         if t.response_logprobs is not None:
             logprobs[i, :n_r] = t.response_logprobs
             has_logprobs[i] = True
@@ -142,7 +144,6 @@ def build_batch(
         "response_mask": torch.from_numpy(response_mask),
         "token_level_scores": scores_t,
         "token_level_rewards": scores_t.clone(),
-        "advantages": torch.from_numpy(advantages),
         "temperature": torch.from_numpy(temperature),
         "rollout_log_probs": torch.from_numpy(logprobs),
         "has_rollout_log_probs": torch.from_numpy(has_logprobs),
@@ -153,6 +154,9 @@ def build_batch(
         arr = np.empty(len(values), dtype=object)
         arr[:] = values
         return arr
+
+    if all(s.advantage is not None for s in real):
+        tensors["advantages"] = torch.from_numpy(advantages)
 
     uids = [f"{PAD_UID}{i}" if pad_flags[i] else s.group_id for i, s in enumerate(chosen)]
     non_tensors = {

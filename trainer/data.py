@@ -39,7 +39,9 @@ class Sample:
     reward: float  # this triplet's credit
     final_reward: float  # the attempt's reward
     task: Any = None
-    advantage: float = 0.0  # this triplet's share of its attempt's advantage (`credit.spread`)
+    # This triplet's share of its attempt's advantage (`credit.spread`); None for samples made
+    # elsewhere, whose batch then leaves the advantages to the update (verl's estimator by `uid`).
+    advantage: float | None = None
     attempt_advantage: float = 0.0  # the attempt's advantage in its group (`algos.attempt_advantages`)
     attempt_return: float = 0.0  # what the group's statistics saw of this attempt (`credit.attempt_return`)
     group_size: int = 0  # attempts in the group's statistics
@@ -165,7 +167,10 @@ def _add_samples(out: DataRead, kept: list[tuple[Group, list[_AttemptPart]]], se
             continue
         size, mean, std = adv.group_stats.get(group.group_id, (0, 0.0, 0.0))
         final = final_reward(part.attempt.rewards)
-        shares = credit.spread(settings.credit, a_adv, part.credits, settings.gamma)
+        shares: list[float | None] = (
+            [None] * len(part.triplets) if settings.adv_estimator == "gae"  # per token, by the critic: the update's
+            else list(credit.spread(settings.credit, a_adv, part.credits, settings.gamma))
+        )
         for i, (t, r, share) in enumerate(zip(part.triplets, part.credits, shares, strict=True)):
             out.samples.append(Sample(
                 t, group.group_id, part.attempt.rollout_id, part.attempt.attempt_id, part.attempt.pk, i, r,
