@@ -79,3 +79,18 @@ def test_export_rows_carry_the_advantage(db: Db, tmp_path: Path, credit: str) ->
     assert len(ties) == 4 and all(r["advantage"] == 0.0 and r["attempt_advantage"] == 0.0 for r in ties)
     assert all(r["group_std"] == 0.0 for r in ties)
     assert sum(r["group_id"] == "task" for r in rows) == 4  # three triplets + one
+
+
+def test_staleness_gate_off_reads_old_versions_and_bounds_them_per_call(db: Db) -> None:
+    db.policy(5)
+    for version, rollout in ((1, "old"), (4, "recent")):
+        db.attempt(rollout, "0", reward=1.0, calls=calls(1, 10 * version), policy_version=version, finished_ago_s=9.0)
+        db.attempt(rollout, "1", reward=0.0, calls=calls(1, 10 * version + 5), policy_version=version,
+                   finished_ago_s=9.0)
+    gated = read_samples(db.engine, TrainerSettings(group_size=2, max_staleness=1))
+    assert [g.group_id for g in gated.groups] == ["recent"]
+    open_ = read_samples(db.engine, TrainerSettings(group_size=2, max_staleness=1, staleness_gate=False))
+    assert {s.group_id for s in open_.samples} == {"old", "recent"} and open_.current_version == 5
+    bounded = read_samples(db.engine, TrainerSettings(group_size=2, staleness_gate=False, off_policy_max_lag=2))
+    assert {s.group_id for s in bounded.samples} == {"recent"}
+    assert bounded.skipped == {"old": "no_triplets"} and bounded.drop_counts() == {"too_stale": 2}
