@@ -39,7 +39,7 @@ $(VLLM_VENV)/.installed:
 SEED ?= 1
 demo: install
 	$(VENV)/bin/python -m scripts.learn --steps 60 --minutes 16 --seed $(SEED) --ppo-epochs 1 --mini-batch 16 \
-		--lr 0.015 --out .rolltap/demo-learning.md
+		--lr 0.01 --entropy-coeff 0.03 --out .rolltap/demo-learning.md
 
 # Just the recording side: one replica, the proxy, an agent; prints what was recorded.
 demo-record: install

@@ -24,6 +24,7 @@ import random
 import re
 import shlex
 import shutil
+import signal
 import statistics
 import struct
 import subprocess
@@ -253,6 +254,8 @@ def main() -> None:
     args.micro_batch = args.micro_batch or max(1, args.mini_batch // 2)
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    # SIGTERM (and SIGINT, which background jobs ignore) must reach the `finally` that stops the replicas.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     shutil.rmtree(args.workdir, ignore_errors=True)
     args.workdir.mkdir(parents=True)
     if args.model_dir is None:

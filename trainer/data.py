@@ -158,7 +158,7 @@ def _add_samples(out: DataRead, kept: list[tuple[Group, list[_AttemptPart]]], se
     else:
         adv = algos.attempt_advantages(
             settings.adv_estimator,
-            [p.ret for _, p in scored],  # type: ignore[misc]
+            [p.ret or 0.0 for _, p in scored],  # `scored` holds rewarded attempts only
             [g.group_id for g, _ in scored],
             norm_adv_by_std_in_grpo=settings.norm_adv_by_std_in_grpo,
         )
