@@ -5,7 +5,9 @@ a call whose prompt token IDs start with the current triplet's prompt + response
 extends that triplet: the tokens between (tool results, user turns, template glue)
 join the response with `response_mask` 0, the new completion with mask 1. Anything else
 starts a new triplet. Token IDs come from the replica; only calls recorded without
-them (hosted providers) are re-tokenised, and those triplets say so (`retokenized`).
+them (hosted providers, kept with `include_hosted`; left out as `hosted` by default) are
+re-tokenised, and those triplets say so (`retokenized`). Calls at different sampling
+temperatures never merge: a row is recomputed at one temperature.
 
 Pure: no database, no torch. Drops are returned, the caller stores them
 (`trainer.drops.record_drops`).
