@@ -34,9 +34,12 @@ $(VLLM_VENV)/.installed:
 	touch $@
 
 # The main job: the whole loop on CPU (agent -> proxy on SQLite -> two CPU vLLM replicas ->
-# trainer -> LoRA push), a few minutes; prints the reward of each policy version.
+# trainer -> LoRA push); prints the reward of each policy version and writes the report and
+# its reward/entropy PNG under .rolltap/. `make demo SEED=2` for another seed.
+SEED ?= 1
 demo: install
-	$(VENV)/bin/python -m scripts.learn --steps 60 --minutes 8 --out .rolltap/demo-learning.md
+	$(VENV)/bin/python -m scripts.learn --steps 60 --minutes 16 --seed $(SEED) --ppo-epochs 1 --mini-batch 16 \
+		--lr 0.01 --entropy-coeff 0.03 --out .rolltap/demo-learning.md
 
 # Just the recording side: one replica, the proxy, an agent; prints what was recorded.
 demo-record: install

@@ -35,13 +35,15 @@ def score(task: LetterTask, reply: str) -> float:
 
 
 def run_attempt(proxy_url: str, rollout_id: str, attempt_id: str, task: LetterTask, *, api_key: str,
-                max_tokens: int = 16, http: httpx.Client | None = None) -> float:
+                max_tokens: int = 16, http: httpx.Client | None = None, temperature: float = 1.0,
+                seed: int | None = None) -> float:
     """One attempt: ask, score, report the reward with `finish` (both with the agent key). Returns the reward."""
     base_url = f"{proxy_url}/rollout/{rollout_id}/attempt/{attempt_id}/v1"
     client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=3,
                            http_client=http if http is not None else None)
+    extra = {} if seed is None else {"seed": seed}
     out = client.chat.completions.create(model="policy", messages=[{"role": "user", "content": task.prompt}],
-                                         max_tokens=max_tokens, temperature=1.0)
+                                         max_tokens=max_tokens, temperature=temperature, **extra)
     reward = score(task, out.choices[0].message.content or "")
     poster = http or httpx.Client(timeout=120)
     try:

@@ -40,6 +40,7 @@ from proxy.journal import Journal
 from proxy.limits import read_body
 from proxy.policy import ActivePolicy
 from proxy.recorder import Recorder
+from proxy.sampling import check_sampling
 from proxy.sse import SseParser
 from proxy.stream import RelayStream
 from proxy.upstream import Upstream, forwardable_headers
@@ -313,6 +314,8 @@ class Relay:
             call.policy_version = self._policy.version
         call.served_model = body.get("model") if isinstance(body.get("model"), str) else None
         call.request = body
+        if rewrite and call.key is not None:  # after `request` is set: a refused call is recorded with its body
+            check_sampling(self._settings.sampling, call.route, body)
         return body
 
     @staticmethod

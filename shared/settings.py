@@ -26,7 +26,10 @@ from pydantic_settings import (
     YamlConfigSettingsSource,
 )
 
-__all__ = ["DbSettings", "LimitSettings", "PoolSettings", "ProxySettings", "RecorderSettings", "Settings", "TrainerSettings"]
+__all__ = [
+    "DbSettings", "LimitSettings", "PoolSettings", "ProxySettings", "RecorderSettings", "SamplingSettings", "Settings",
+    "TrainerSettings",
+]
 
 CONFIG_ENV = "ROLLTAP_CONFIG"
 
@@ -100,6 +103,35 @@ class RecorderSettings(BaseModel):
         description="A journal file is rotated at this size and deleted once all its calls are in the database "
         "or the spool.",
     )
+
+
+PINNABLE_SAMPLING = (
+    "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"
+)
+
+
+class SamplingSettings(BaseModel):
+    """Sampling parameters pinned per deployment, so that agents cannot change them unnoticed (`proxy/sampling.py`)."""
+
+    pinned: dict[str, float | int] = Field(
+        default_factory=dict,
+        description="Sampling parameters every recorded call is sent with, e.g. `{temperature = 1.0, top_p = 1.0}` "
+        "(any of temperature, top_p, top_k, min_p, presence_penalty, frequency_penalty, repetition_penalty). "
+        "A call that leaves one out gets the pinned value, written into its recorded request.",
+    )
+    policy: Literal["override", "reject"] = Field(
+        default="override",
+        description="A recorded call that asks for a different value: `override` replaces it with the pinned "
+        "one (the record shows what the replica used); `reject` refuses it with a 400 (`sampling_pinned`).",
+    )
+
+    @field_validator("pinned")
+    @classmethod
+    def _known_parameters(cls, value: dict[str, float | int]) -> dict[str, float | int]:
+        unknown = sorted(set(value) - set(PINNABLE_SAMPLING))
+        if unknown:
+            raise ValueError(f"cannot pin {unknown}: pinnable are {list(PINNABLE_SAMPLING)}")
+        return value
 
 
 class PoolSettings(BaseModel):
@@ -245,6 +277,7 @@ class ProxySettings(BaseModel):
     recorder: RecorderSettings = Field(default_factory=RecorderSettings)
     pool: PoolSettings = Field(default_factory=PoolSettings)
     tracing: TracingSettings = Field(default_factory=TracingSettings)
+    sampling: SamplingSettings = Field(default_factory=SamplingSettings)
     litellm_config: Path | None = Field(
         default=None,
         description="YAML file with a LiteLLM `model_list`: hosted models (OpenAI, Anthropic, Azure, any "
@@ -319,6 +352,33 @@ class TrainerSettings(BaseModel):
         "on the last one only, discounted by `gamma` per triplet from the end, or per-call rewards.",
     )
     gamma: float = Field(default=0.9, ge=0, le=1, description="Discount per triplet for `credit = discounted`.")
+    include_hosted: bool = Field(
+        default=False,
+        description="Train on calls a hosted model answered (re-tokenised, see `model`). Off: they stay in the "
+        "record but are left out of policy samples (drop reason `hosted`): the policy did not produce them.",
+    )
+    unreproducible_sampling: Literal["drop", "keep"] = Field(
+        default="drop",
+        description="Calls sampled with `top_p < 1`, `top_k > 0`, `min_p > 0` or temperature 0, whose "
+        "distribution the update cannot recompute: `drop` (reason `sampling_not_reproducible`) or `keep` "
+        "(trained at their temperature, the truncation ignored).",
+    )
+    dynamic_sampling: bool = Field(
+        default=False,
+        description="Skip groups whose attempts all scored the same (advantage 0) and read more groups, so a "
+        "step keeps `groups_per_step` groups with a signal (DAPO). Skipped groups are consumed all the same.",
+    )
+    staleness_gate: bool = Field(
+        default=True,
+        description="Only use attempts within `max_staleness` versions of the current policy. Off: attempts of "
+        "any version are used, corrected by `rollout_is` or dropped beyond `off_policy_max_lag`.",
+    )
+    off_policy_max_lag: int | None = Field(
+        default=None,
+        ge=0,
+        description="Calls sampled more than this many versions behind the current policy are dropped "
+        "(`too_stale`); unset keeps them (with `staleness_gate` off, the only bound).",
+    )
     mini_batch_size: int = Field(
         default=8, ge=1, description="Rows (triplets) per PPO mini-batch; a batch is rounded to a multiple of it."
     )
@@ -382,7 +442,12 @@ class TrainerSettings(BaseModel):
     rollout_is_threshold: float = Field(
         default=2.0, gt=0, description="Importance weights above this are truncated to it (TIS)."
     )
-    ppo_epochs: int = Field(default=1, ge=1, description="Passes over each batch per update.")
+    ppo_epochs: int = Field(
+        default=2,
+        ge=1,
+        description="Passes over each batch per update. From the second pass on the policy differs from the one "
+        "that sampled, so PPO's clip acts (with one pass and one mini-batch the ratio is always 1).",
+    )
     micro_batch_size: int = Field(
         default=1,
         ge=1,

@@ -44,7 +44,9 @@ def vllm_replica(tiny_model_dir: Path) -> Iterator[Any]:
     """A real CPU vLLM server on loopback serving the tiny model; started once (~75 s).
 
     `ROLLTAP_TEST_VLLM_URL` reuses a replica you already run (same tiny model, served as
-    `tiny`) to skip the start-up while iterating; CI never sets it.
+    `tiny`) to skip the start-up while iterating; CI never sets it. Tests that compare logprobs
+    at a temperature other than 1 need it started with `--logprobs-mode processed_logprobs`
+    (as `tools.replica` starts it).
     """
     from tools.replica import VllmReplica
 

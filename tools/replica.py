@@ -104,6 +104,9 @@ class VllmReplica:
             "--model", str(self.model), "--served-model-name", self.served_model_name,
             "--dtype", self.dtype, "--max-model-len", str(self.max_model_len),
             "--host", self.host, "--port", str(self.port),
+            # Logprobs of the distribution sampled from (after temperature), not of the raw logits:
+            # what the trainer recomputes and its importance weights compare against.
+            "--logprobs-mode", "processed_logprobs",
         ]  # fmt: skip
         if self.enable_lora:
             cmd += ["--enable-lora", "--max-loras", "3", "--max-lora-rank", "8"]

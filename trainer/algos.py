@@ -21,6 +21,8 @@ the loss a test checks by hand is the loss the engine backpropagates.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, cast
 
 import numpy as np
@@ -33,6 +35,9 @@ __all__ = [
     "ADV_ESTIMATORS",
     "KL_TYPES",
     "LOSS_AGG_MODES",
+    "TIE_TOLERANCE",
+    "AttemptAdvantages",
+    "attempt_advantages",
     "compute_advantages",
     "kl_penalty",
     "logprob_mismatch",
@@ -103,6 +108,71 @@ def compute_advantages(
         kwargs["norm_adv_by_std_in_grpo"] = norm_adv_by_std_in_grpo
     adv, ret = fn(**kwargs)
     return adv * mask, ret * mask
+
+
+# Returns closer than this tie: verl divides by (std + 1e-6), so a smaller spread is float noise scaled up.
+TIE_TOLERANCE = 1e-6
+
+
+@dataclass(frozen=True, slots=True)
+class AttemptAdvantages:
+    """Per attempt (N,): its advantage and whether its group tied; per group: size, mean, std of its returns."""
+
+    advantages: list[float]
+    is_tied: list[bool]
+    group_stats: dict[str, tuple[int, float, float]]  # group -> (size, mean, unbiased std; 0 for one member)
+
+    @property
+    def tied_groups(self) -> int:
+        return sum(1 for n, _, std in self.group_stats.values() if n < 2 or std == 0.0)
+
+
+def attempt_advantages(
+    estimator: str,
+    returns: Sequence[float],
+    groups: Sequence[str],
+    *,
+    norm_adv_by_std_in_grpo: bool = True,
+    epsilon: float = 1e-6,
+) -> AttemptAdvantages:
+    """One advantage per *attempt*: verl's estimator over the attempts' returns, each attempt once.
+
+    `returns` (N,) holds one number per attempt and `groups` (N,) its group. verl's
+    estimator runs on a (N, 1) reward tensor with `index = groups`, so an attempt counts
+    once in its group's mean and std however many triplets it has (the credit rule then
+    spreads the attempt's advantage over its triplets, `trainer.credit.spread`). A *tied*
+    group (returns within `TIE_TOLERANCE` of each other, or a single member) gets exactly
+    0.0: its std is ~0, and (R - mean) / (std + eps) would turn float rounding into a signal. `gae` has no
+    per-attempt form (it needs per-token values) and is refused here.
+    """
+    if estimator == "gae":
+        raise ValueError("advantage estimator 'gae' is per token (a critic's values), not per attempt")
+    if len(returns) != len(groups):
+        raise ValueError(f"{len(returns)} returns for {len(groups)} group ids")
+    if not returns:
+        return AttemptAdvantages([], [], {})
+    by_group: dict[str, list[float]] = {}
+    for r, g in zip(returns, groups, strict=True):
+        by_group.setdefault(g, []).append(float(r))
+    stats: dict[str, tuple[int, float, float]] = {}
+    for g, values in by_group.items():
+        n, mean = len(values), float(np.mean(values))
+        tied = n < 2 or max(values) - min(values) <= TIE_TOLERANCE
+        stats[g] = (n, mean, 0.0 if tied else float(np.std(values, ddof=1)))
+    index = np.empty(len(groups), dtype=object)
+    index[:] = list(groups)
+    rewards = torch.tensor([[float(r)] for r in returns], dtype=torch.float32)
+    adv, _ = compute_advantages(
+        estimator,
+        token_level_rewards=rewards,
+        response_mask=torch.ones_like(rewards),
+        index=index,
+        norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo,
+        epsilon=epsilon,
+    )
+    is_tied = [stats[g][0] < 2 or stats[g][2] == 0.0 for g in groups]
+    values = [0.0 if tied else float(a) for a, tied in zip(adv[:, 0].tolist(), is_tied, strict=True)]
+    return AttemptAdvantages(values, is_tied, stats)
 
 
 def policy_loss_config(

@@ -12,6 +12,9 @@ longest response in the batch:
     response_mask      (B, R)    int64  1 on generated tokens only: what the loss sees
     token_level_scores (B, R)    float32  the triplet's reward on its last response token
     token_level_rewards(B, R)    float32  same (a KL-in-reward step would subtract from it)
+    advantages         (B, R)    float32  the triplet's advantage (`Sample.advantage`) on its generated tokens;
+                                          absent when any sample has none (the update then computes them)
+    temperature        (B,)      float32  the sampling temperature of the row (the update rescales logits by it)
     rollout_log_probs  (B, R)    float32  the replica's logprobs; 0 where masked or unknown
     has_rollout_log_probs (B,)   bool   False for re-tokenised triplets and padding rows
     is_pad             (B,)      bool   rows added to round the batch
@@ -105,6 +108,8 @@ def build_batch(
     attention_mask = np.zeros((rows, p_len + r_len), dtype=np.int64)
     response_mask = np.zeros((rows, r_len), dtype=np.int64)
     scores = np.zeros((rows, r_len), dtype=np.float32)
+    advantages = np.zeros((rows, r_len), dtype=np.float32)
+    temperature = np.ones(rows, dtype=np.float32)
     logprobs = np.zeros((rows, r_len), dtype=np.float32)
     has_logprobs = np.zeros(rows, dtype=np.bool_)
     pad_flags = [i >= len(real) for i in range(rows)]
@@ -115,11 +120,14 @@ def build_batch(
         prompts[i, p_len - n_p :] = t.prompt_ids
         responses[i, :n_r] = t.response_ids
         attention_mask[i, p_len - n_p : p_len + n_r] = 1
+        temperature[i] = t.temperature
         if pad_flags[i]:
             continue  # no loss, no reward, no logprobs
         response_mask[i, :n_r] = t.response_mask
         # The last response token is always generated: a triplet ends with a completion.
         scores[i, n_r - 1] = s.reward
+        if s.advantage is not None:
+            advantages[i, :n_r] = np.asarray(t.response_mask, dtype=np.float32) * np.float32(s.advantage)
         if t.response_logprobs is not None:
             logprobs[i, :n_r] = t.response_logprobs
             has_logprobs[i] = True
@@ -136,6 +144,7 @@ def build_batch(
         "response_mask": torch.from_numpy(response_mask),
         "token_level_scores": scores_t,
         "token_level_rewards": scores_t.clone(),
+        "temperature": torch.from_numpy(temperature),
         "rollout_log_probs": torch.from_numpy(logprobs),
         "has_rollout_log_probs": torch.from_numpy(has_logprobs),
         "is_pad": torch.tensor(pad_flags, dtype=torch.bool),
@@ -145,6 +154,9 @@ def build_batch(
         arr = np.empty(len(values), dtype=object)
         arr[:] = values
         return arr
+
+    if all(s.advantage is not None for s in real):
+        tensors["advantages"] = torch.from_numpy(advantages)
 
     uids = [f"{PAD_UID}{i}" if pad_flags[i] else s.group_id for i, s in enumerate(chosen)]
     non_tensors = {

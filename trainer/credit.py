@@ -3,6 +3,18 @@
 Pure functions over plain lists; no database, no torch. The attempt's triplets are
 given in order (oldest first) as the `seq` numbers of the calls each one holds.
 
+Advantages are per attempt (`trainer.algos.attempt_advantages`: each attempt counts once
+in its group's statistics, whatever its number of triplets); `attempt_return` is the
+number those statistics see and `spread` hands the attempt's advantage to its triplets
+by the same rule that spread its reward:
+
+- `identical`: the attempt's advantage on every triplet;
+- `last_only`: on the last triplet, 0 on the others;
+- `discounted`: `A * gamma**k` on the triplet k steps before the last;
+- `per_call`: the attempt's return is the sum of its per-call credits, and each triplet
+  gets `A * G_t / R`, its reward-to-go `G_t` as a share of the return `R` (all of `A` on
+  every triplet when `R` is 0: there is nothing to apportion).
+
 Final reward of an attempt (`final_reward`): the value of the reward named "final"
 (what `finish` with a reward stores; the latest one if posted twice, so a correction
 wins); without one, the sum of all the attempt's rewards (several posted rewards are
@@ -19,11 +31,13 @@ from trainer.records import RewardRow
 __all__ = [
     "CreditMode",
     "assign_credit",
+    "attempt_return",
     "discounted",
     "final_reward",
     "identical",
     "last_only",
     "per_call",
+    "spread",
 ]
 
 CreditMode = Literal["identical", "last_only", "discounted", "per_call"]
@@ -109,4 +123,42 @@ def assign_credit(
         return last_only(final, n)
     if mode == "discounted":
         return discounted(final, n, gamma)
+    raise ValueError(f"unknown credit mode {mode!r}")
+
+
+def attempt_return(mode: CreditMode, rewards: Sequence[RewardRow], call_seq: Mapping[str, int] | None = None) -> float:
+    """The one number an attempt contributes to its group's statistics.
+
+    The final reward (`final_reward`) in every mode but `per_call`, where it is the sum of
+    the per-call credits the attempt would get as a single triplet: every reward aimed at
+    a call counts once, plus the unaimed ones reduced like `final_reward`.
+    """
+    if mode == "per_call":
+        seqs = sorted((call_seq or {}).values()) or [0]
+        return float(sum(per_call([seqs], rewards, call_seq or {})))
+    final = final_reward(rewards)
+    if final is None:
+        raise ValueError("attempt has no reward: the reader only selects rewarded attempts")
+    return final
+
+
+def spread(mode: CreditMode, advantage: float, credits: Sequence[float], gamma: float = 1.0) -> list[float]:
+    """The attempt's `advantage` over its triplets (oldest first) by `mode`; see the module docstring.
+
+    `credits` are the triplets' rewards from `assign_credit` (read by `per_call` only);
+    an advantage of exactly 0.0 (a tied group) stays exactly 0.0 on every triplet.
+    """
+    n = len(credits)
+    if mode == "identical":
+        return [advantage] * n
+    if mode == "last_only":
+        return last_only(advantage, n)
+    if mode == "discounted":
+        return discounted(advantage, n, gamma)
+    if mode == "per_call":
+        total = float(sum(credits))
+        if total == 0.0:
+            return [advantage] * n
+        to_go = [float(sum(credits[i:])) for i in range(n)]
+        return [advantage * g / total for g in to_go]
     raise ValueError(f"unknown credit mode {mode!r}")

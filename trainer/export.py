@@ -5,6 +5,9 @@ This module owns the row format and the file/consumption ordering. A row:
     group_id, rollout_id, attempt_id, triplet_index, call_ids,
     prompt_ids, response_ids, response_mask, rollout_logprobs (null when unknown),
     reward (this triplet's credit), final_reward (the attempt's), policy_version, retokenized,
+    advantage (what the trainer would train this triplet with under the current settings),
+    attempt_advantage, group_size, group_mean, group_std (the per-attempt statistics behind it),
+    temperature (the calls' sampling temperature),
     data_source, prompt, extra_info            <- the columns verl's RLHFDataset reads
 
 `prompt` is the chat conversation of the triplet's first call (role/content strings;
@@ -61,6 +64,12 @@ TRIPLET_SCHEMA = pa.schema(
         ("final_reward", pa.float64()),
         ("policy_version", pa.int64()),
         ("retokenized", pa.bool_()),
+        ("advantage", pa.float64()),
+        ("attempt_advantage", pa.float64()),
+        ("group_size", pa.int32()),
+        ("group_mean", pa.float64()),
+        ("group_std", pa.float64()),
+        ("temperature", pa.float64()),
         ("data_source", pa.string()),
         ("prompt", pa.list_(_MESSAGE)),
         (
@@ -118,6 +127,12 @@ def triplet_rows(data: DataRead) -> Iterator[dict[str, Any]]:
             "final_reward": s.final_reward,
             "policy_version": t.policy_version,
             "retokenized": t.retokenized,
+            "advantage": s.advantage,
+            "attempt_advantage": s.attempt_advantage,
+            "group_size": s.group_size,
+            "group_mean": s.group_mean,
+            "group_std": s.group_std,
+            "temperature": t.temperature,
             "data_source": DATA_SOURCE,
             "prompt": _prompt_messages(calls.get(t.call_ids[0])),
             "extra_info": {

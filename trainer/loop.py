@@ -77,17 +77,23 @@ def _wait_for_data(engine: Engine, settings: Settings, tokenizer: Tokenizer | No
             if len(data.groups) >= ts.min_groups_per_step or time.monotonic() - first_seen >= ts.step_wait_s:
                 return data
         elif data.groups:
-            # Groups that yielded nothing trainable are consumed by the next step that finds
-            # samples; logged so that silent starvation is visible.
-            logger.info("%d ready group(s) without trainable triplets: %s", len(data.groups), dict(data.drop_counts()))
+            # Every ready group was skipped (no triplet, or tied under dynamic sampling): the
+            # next step that finds samples consumes them with its own; logged so that a queue
+            # of such groups is visible.
+            logger.info("%d ready group(s), none trainable: %s; drops %s", len(data.groups),
+                        dict(data.skip_counts()), dict(data.drop_counts()))
         time.sleep(ts.poll_interval_s)
     return None
 
 
-def _data_metrics(data: DataRead, current_version: int) -> dict[str, Any]:
+def _data_metrics(data: DataRead, settings: Settings) -> dict[str, Any]:
+    ts = settings.trainer
     finals = [a_reward for a_reward in (_final(a) for g in data.groups for a in g.attempts) if a_reward is not None]
     versions = [a.policy_version for g in data.groups for a in g.attempts]
-    return {
+    current = data.current_version
+    skipped = data.skip_counts()
+    off_policy = sum(1 for s in data.samples if (s.triplet.policy_version or 0) < current)
+    metrics: dict[str, Any] = {
         "groups": len(data.groups),
         "attempts": len(data.attempt_pks),
         "triplets": len(data.samples),
@@ -95,8 +101,18 @@ def _data_metrics(data: DataRead, current_version: int) -> dict[str, Any]:
         "dropped_calls": len(data.drops),
         "reward_mean": statistics.fmean(finals) if finals else None,
         "reward_std": statistics.pstdev(finals) if len(finals) > 1 else 0.0,
-        "staleness_max": max(current_version - v for v in versions) if versions else 0,
+        "staleness_max": max(current - v for v in versions) if versions else 0,
+        # Tied groups (every attempt scored the same): advantage exactly 0 when trained on,
+        # skipped and consumed under dynamic sampling.
+        "tied_groups": data.tied_groups + skipped.get("tied", 0),
+        "skipped_groups": sum(skipped.values()),
+        "off_policy_rows": off_policy,
+        # How rows sampled by an older policy are treated this step (reported even when there are none).
+        "off_policy_correction": f"tis-{ts.rollout_is}" if ts.rollout_is != "off" else "none",
     }
+    metrics.update({f"skipped/{k}": v for k, v in skipped.items()})
+    metrics.update({f"drops/{k}": v for k, v in data.drop_counts().items()})
+    return metrics
 
 
 def _final(attempt: Any) -> float | None:
@@ -179,7 +195,7 @@ def run_loop(
             read_s = time.perf_counter() - started
             batch: Batch = build_batch(data.samples, mini_batch_size=ts.mini_batch_size,
                                        batch_round=ts.batch_round, pad_token_id=ts.pad_token_id)
-            metrics = _data_metrics(data, step)
+            metrics = _data_metrics(data, settings)
             t = time.perf_counter()
             metrics.update(updater.update(batch))
             metrics["update_s"] = time.perf_counter() - t
@@ -268,10 +284,12 @@ def _log_step(report: StepReport) -> None:
         return format(value, fmt) if isinstance(value, (int, float)) else "-"
 
     logger.info(
-        "step %d | reward %s ± %s | loss %s | kl %s | grad %s | clip %s | tokens %s | mismatch %s | "
-        "stale %s | %ss (read %s, update %s, save %s, push %s)",
+        "step %d | reward %s ± %s | loss %s | kl %s | grad %s | clip %s | approx_kl %s | entropy %s | tokens %s | "
+        "mismatch %s | tied %s | off-policy %s (%s) | stale %s | %ss (read %s, update %s, save %s, push %s)",
         report.step, f("reward_mean"), f("reward_std"), f("loss"), f("kl"), f("grad_norm"), f("clip_frac"),
+        f("ppo_kl", ".4f"), f("entropy"),
         f("tokens", "d") if isinstance(m.get("tokens"), int) else f("tokens", ".0f"), f("logprob_mismatch"),
+        f("tied_groups", "d"), f("off_policy_rows", "d"), m.get("off_policy_correction", "-"),
         f("staleness_max", "d"), f("step_time_s", ".2f"), f("read_s", ".2f"), f("update_s", ".2f"),
         f("save_s", ".2f"), f("push_s", ".2f"),
     )

@@ -73,6 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     stats = sub.add_parser("stats", help="attempts, consumption, drop reasons, rewards, policy versions")
     stats.add_argument("--json", action="store_true", help="machine-readable output")
+    stats.add_argument("--plot", type=Path, metavar="DIR",
+                       help="also write the reward and entropy curves per training step to DIR/training.png")
     return parser
 
 
@@ -141,6 +143,10 @@ def main(argv: list[str] | None = None) -> int:
 
             with engine.connect() as conn:
                 report = collect_stats(conn, settings.trainer)
+                if args.plot is not None:
+                    from trainer.plot import plot_steps, step_metrics
+
+                    report["plot"] = str(plot_steps(step_metrics(conn), args.plot))
             sys.stdout.write(json.dumps(report, indent=2) + "\n" if args.json else render_stats(report))
     finally:
         engine.dispose()

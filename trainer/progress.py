@@ -23,6 +23,7 @@ logger = logging.getLogger(__name__)
 
 _COLUMNS = [("reward_mean", "reward", ".3f"), ("reward_std", "±", ".3f"), ("loss", "loss", ".4f"),
             ("kl", "kl", ".4f"), ("grad_norm", "grad", ".3f"), ("clip_frac", "clip", ".3f"),
+            ("ppo_kl", "approx_kl", ".4f"), ("entropy", "entropy", ".3f"), ("tied_groups", "tied", ".0f"),
             ("logprob_mismatch", "mismatch", ".4f"), ("tokens", "tokens", ".0f"), ("step_time_s", "s", ".2f")]
 
 

@@ -10,7 +10,7 @@ An attempt is *eligible* when:
 - it has at least one reward;
 - its policy version (NULL read as 0, the base model) is at least
   `current - max_staleness`, where current is the highest active version in
-  `policy_versions`, or 0 when there is none;
+  `policy_versions`, or 0 when there is none (any version with `staleness_gate` off);
 - no training step and no export has consumed it.
 
 Eligible attempts are grouped by the rollout's `group_id` when it was registered with
@@ -80,6 +80,8 @@ def eligible_attempts(settings: TrainerSettings, current_version: int) -> Select
     """Eligible attempts as (pk, rollout_id, attempt_id, group_key, policy_version, finished_at)."""
     version = func.coalesce(Attempt.policy_version, 0)
     same_attempt = and_(Reward.rollout_id == Attempt.rollout_id, Reward.attempt_id == Attempt.attempt_id)
+    # With the gate off every version is eligible; `off_policy_max_lag` then bounds it per call.
+    fresh = version >= current_version - settings.max_staleness if settings.staleness_gate else true()
     return (
         select(
             Attempt.id,
@@ -92,7 +94,7 @@ def eligible_attempts(settings: TrainerSettings, current_version: int) -> Select
         .join(Rollout, Rollout.rollout_id == Attempt.rollout_id)
         .where(
             Attempt.status.in_(eligible_statuses(settings)),
-            version >= current_version - settings.max_staleness,
+            fresh,
             exists().where(same_attempt),
             ~exists().where(TrainingStepAttempt.attempt_pk == Attempt.id),
             ~exists().where(ExportAttempt.attempt_pk == Attempt.id),
@@ -191,6 +193,7 @@ def _load_calls(conn: Conn, pks: list[int], by_pk: dict[int, AttemptRow]) -> Non
             cast(Call.request, Text).label("request"),
             cast(Call.response, Text).label("response"),
             Call.json_exact,
+            Call.replica,
         )
         .join(Attempt, and_(Attempt.rollout_id == Call.rollout_id, Attempt.attempt_id == Call.attempt_id))
         .where(Attempt.id.in_(pks))
@@ -213,6 +216,7 @@ def _load_calls(conn: Conn, pks: list[int], by_pk: dict[int, AttemptRow]) -> Non
                 policy_version=row.policy_version,
                 request=exact["request"],
                 response=exact["response"],
+                replica=row.replica,
                 rollout_id=attempt.rollout_id,
                 attempt_id=attempt.attempt_id,
             )

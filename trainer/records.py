@@ -29,6 +29,7 @@ class CallRow:
     policy_version: int | None = None
     request: Any = None
     response: Any = None
+    replica: str | None = None  # "litellm:<model>" for a hosted model
     rollout_id: str = ""
     attempt_id: str = ""
 

@@ -2,7 +2,9 @@
 
 This module owns the report: attempts by status, how many are consumed (by training
 steps, by exports), eligible and their groups' readiness, stale attempts, calls by
-status, stored drop reasons, the distribution of final rewards, and policy versions.
+status, stored drop reasons, the distribution of final rewards, policy versions, and
+the training signal of the last steps (reward, entropy, clip fraction, approximate KL,
+gradient norm, train/replica logprob mismatch, tied groups, off-policy rows).
 Read-only.
 """
 
@@ -14,9 +16,9 @@ from collections import Counter, defaultdict
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Connection, and_, exists, func, select
+from sqlalchemy import Connection, and_, exists, false, func, select
 
-from shared.db.models import Attempt, Call, ExportAttempt, PolicyVersion, Reward, TrainingStepAttempt
+from shared.db.models import Attempt, Call, ExportAttempt, PolicyVersion, Reward, TrainingStep, TrainingStepAttempt
 from shared.settings import TrainerSettings
 from trainer.credit import final_reward
 from trainer.drops import drop_counts
@@ -26,6 +28,24 @@ from trainer.records import RewardRow
 __all__ = ["collect_stats", "render_stats"]
 
 HISTOGRAM_BINS = 10
+RECENT_STEPS = 10
+# (metric key in training_steps.metrics, column title) of the per-step signal table.
+SIGNAL_COLUMNS = (
+    ("reward_mean", "reward"), ("entropy", "entropy"), ("clip_frac", "clip"), ("ppo_kl", "approx_kl"),
+    ("grad_norm", "grad"), ("logprob_mismatch", "mismatch"), ("kl", "ref_kl"), ("tied_groups", "tied"),
+    ("off_policy_rows", "off_policy"),
+)
+
+
+def _recent_steps(conn: Connection) -> list[dict[str, Any]]:
+    rows = conn.execute(
+        select(TrainingStep.step, TrainingStep.metrics).order_by(TrainingStep.step.desc()).limit(RECENT_STEPS)
+    ).all()
+    return [
+        {"step": int(step), **{k: (metrics or {}).get(k) for k, _ in SIGNAL_COLUMNS},
+         "off_policy_correction": (metrics or {}).get("off_policy_correction")}
+        for step, metrics in reversed(rows)
+    ]
 
 
 def _reward_distribution(conn: Connection) -> dict[str, Any]:
@@ -92,7 +112,7 @@ def collect_stats(conn: Connection, settings: TrainerSettings, *, now: datetime 
         .select_from(Attempt)
         .where(
             Attempt.status.in_(eligible_statuses(settings)),
-            version < current - settings.max_staleness,
+            version < current - settings.max_staleness if settings.staleness_gate else false(),
             has_reward,
             ~exists().where(TrainingStepAttempt.attempt_pk == Attempt.id),
             ~exists().where(ExportAttempt.attempt_pk == Attempt.id),
@@ -131,6 +151,7 @@ def collect_stats(conn: Connection, settings: TrainerSettings, *, now: datetime 
             "versions": versions,
             "attempts_of_unrecorded_versions": {str(k): int(v) for k, v in sorted(by_version.items())},
         },
+        "steps": _recent_steps(conn),
         "settings": {
             "group_size": settings.group_size,
             "max_staleness": settings.max_staleness,
@@ -188,4 +209,26 @@ def render_stats(stats: dict[str, Any]) -> str:
         lines.append(f"  v{v['version']:<4} {v['kind']:<5} {v['served_name']}{active}  attempts {v['attempts']}")
     for k, n in p["attempts_of_unrecorded_versions"].items():
         lines.append(f"  v{k:<4} (not in policy_versions)  attempts {n}")
+    lines += ["", f"Training signal (last {RECENT_STEPS} steps)"]
+    if not stats.get("steps"):
+        lines.append("  (no training steps)")
+    else:
+        header = ["step", *(title for _, title in SIGNAL_COLUMNS), "correction"]
+        lines.append("  " + "  ".join(f"{h:>10}" for h in header))
+        for row in stats["steps"]:
+            cells = [str(row["step"]), *(_cell(row.get(k)) for k, _ in SIGNAL_COLUMNS),
+                     str(row.get("off_policy_correction") or "-")]
+            lines.append("  " + "  ".join(f"{c:>10}" for c in cells))
+    if stats.get("plot"):
+        lines += ["", f"Plot: {stats['plot']}"]
     return "\n".join(lines) + "\n"
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, bool) or value is None:
+        return "-"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)

@@ -5,7 +5,9 @@ a call whose prompt token IDs start with the current triplet's prompt + response
 extends that triplet: the tokens between (tool results, user turns, template glue)
 join the response with `response_mask` 0, the new completion with mask 1. Anything else
 starts a new triplet. Token IDs come from the replica; only calls recorded without
-them (hosted providers) are re-tokenised, and those triplets say so (`retokenized`).
+them (hosted providers, kept with `include_hosted`; left out as `hosted` by default) are
+re-tokenised, and those triplets say so (`retokenized`). Calls at different sampling
+temperatures never merge: a row is recomputed at one temperature.
 
 Pure: no database, no torch. Drops are returned, the caller stores them
 (`trainer.drops.record_drops`).
@@ -20,6 +22,7 @@ from typing import Any, Protocol
 
 from trainer import messages as msgs
 from trainer.records import CallRow
+from trainer.sampling import DEFAULT_TEMPERATURE, call_sampling
 
 __all__ = ["BuildLimits", "Drop", "DropReason", "Tokenizer", "Triplet", "build_triplets", "retokenize"]
 
@@ -37,6 +40,9 @@ class DropReason(StrEnum):
     # A call of the attempt was cut by a proxy crash or shutdown (`interrupted`): the trajectory
     # has a hole, so none of the attempt's calls is used.
     INCOMPLETE_ATTEMPT = "incomplete_attempt"
+    HOSTED = "hosted"  # a hosted model answered, not the policy (kept unless `include_hosted`)
+    SAMPLING_NOT_REPRODUCIBLE = "sampling_not_reproducible"  # top_p/top_k/min_p/greedy: see trainer.sampling
+    TOO_STALE = "too_stale"  # sampled by a policy older than `off_policy_max_lag` allows
 
 
 class Tokenizer(Protocol):
@@ -51,11 +57,17 @@ class Tokenizer(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class BuildLimits:
-    """The limits a triplet must fit (`TrainerSettings` fields of the same names)."""
+    """The limits a triplet must fit (`TrainerSettings` fields of the same names).
+
+    `min_policy_version`: calls sampled by an older policy are dropped (`too_stale`); None keeps all.
+    """
 
     max_prompt_len: int = 4096
     max_response_len: int = 8192
     drop_truncated: bool = False
+    include_hosted: bool = False
+    unreproducible_sampling: str = "drop"
+    min_policy_version: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +100,7 @@ class Triplet:
     seqs: list[int] = field(default_factory=list)
     policy_version: int | None = None
     retokenized: bool = False
+    temperature: float = DEFAULT_TEMPERATURE  # the sampling temperature of every call in it
 
     def extend(self, glue: Sequence[int], completion: Sequence[int], logprobs: Sequence[float] | None) -> None:
         self.response_ids.extend(glue)
@@ -182,6 +195,22 @@ def _tokens(call: CallRow, tokenizer: Tokenizer | None) -> _Tokens | str:
     return toks
 
 
+HOSTED_PREFIX = "litellm:"  # how the proxy names a hosted model in `calls.replica`
+
+
+def _precheck(call: CallRow, limits: BuildLimits) -> tuple[DropReason, str | None] | None:
+    """Reasons to leave a call out that need no tokens."""
+    if not limits.include_hosted and call.replica is not None and call.replica.startswith(HOSTED_PREFIX):
+        return DropReason.HOSTED, f"answered by {call.replica.removeprefix(HOSTED_PREFIX)}, not the policy"
+    if limits.min_policy_version is not None and (call.policy_version or 0) < limits.min_policy_version:
+        return DropReason.TOO_STALE, f"policy version {call.policy_version or 0} < {limits.min_policy_version}"
+    if limits.unreproducible_sampling == "drop":
+        problem = call_sampling(call.request).problem
+        if problem is not None:
+            return DropReason.SAMPLING_NOT_REPRODUCIBLE, problem
+    return None
+
+
 def _check(call: CallRow, toks: _Tokens, limits: BuildLimits) -> tuple[DropReason, str | None] | None:
     if not toks.completion:
         return DropReason.EMPTY_COMPLETION, None
@@ -232,6 +261,11 @@ def build_triplets(
         if call.status != "ok":
             drop(call, DropReason.NOT_OK, f"call status {call.status}")
             continue
+        early = _precheck(call, limits)
+        if early is not None:
+            drop(call, *early)
+            continue
+        temperature = call_sampling(call.request).temperature
         toks = _tokens(call, tokenizer)
         if isinstance(toks, str):
             drop(call, DropReason.NO_TOKENS, toks)
@@ -246,6 +280,7 @@ def build_triplets(
             current is not None
             and not current.retokenized
             and not toks.retokenized
+            and current.temperature == temperature  # one temperature per row: the update rescales by it
             and len(toks.prompt) >= n
             and toks.prompt[:n] == current_full
         ):
@@ -268,6 +303,7 @@ def build_triplets(
             response_logprobs=[],
             policy_version=call.policy_version,
             retokenized=toks.retokenized,
+            temperature=temperature,
         )
         current.extend((), toks.completion, toks.logprobs)
         current.call_ids.append(call.call_id)

@@ -7,9 +7,11 @@ ways; device choices live in `trainer/verl_cpu.py`.
 
 One `update(batch)`, on a `trainer.batch.Batch`:
 
-1. old logprobs (and entropy) of the response tokens under the current weights (`infer_batch`);
+1. old logprobs (and entropy) of the response tokens under the current weights (`infer_batch`),
+   each row at its own sampling temperature (the batch's `temperature`);
 2. reference logprobs when `kl_coef > 0` (the adapter switched off, or a frozen copy);
-3. advantages (`algos.compute_advantages`, GRPO by default, grouped by `uid`);
+3. advantages: the batch's own (per-attempt group statistics, `trainer.data`), or for `gae`
+   `algos.compute_advantages` over tokens;
 4. the replica-vs-trainer logprob mismatch and truncated importance weights
    (`algos.logprob_mismatch`, `algos.rollout_is_weights`);
 5. verl's `train_mini_batch`: per mini-batch of `mini_batch_size` rows, verl's `ppo_loss`
@@ -48,7 +50,9 @@ if TYPE_CHECKING:
 __all__ = ["CheckpointError", "PolicyUpdater", "dp_order", "start_ray"]
 
 # The tensors of a Batch the engine reads; the rest (rewards, flags) stays in the driver.
-_ENGINE_KEYS = ("prompts", "responses", "input_ids", "attention_mask", "position_ids", "response_mask")
+_ENGINE_KEYS = (
+    "prompts", "responses", "input_ids", "attention_mask", "position_ids", "response_mask", "temperature"
+)
 CHECKPOINT_META = "rolltap_checkpoint.json"
 LATEST = "latest"
 
@@ -219,8 +223,13 @@ class PolicyUpdater:
         from verl.utils import tensordict_utils as tu
         from verl.workers.utils.padding import left_right_2_no_padding
 
-        td = left_right_2_no_padding(tu.get_tensordict(tensor_dict=dict(tensors)))
-        tu.assign_non_tensor(td, temperature=1.0, **meta)
+        tensors = dict(tensors)
+        if "temperature" not in tensors:  # a batch built elsewhere: vLLM's default
+            tensors["temperature"] = torch.ones(tensors["input_ids"].shape[0])
+        # Per-row temperature (B,): verl's engine divides each row's logits by its own, so the
+        # logprobs are those of the distribution the replica sampled from.
+        td = left_right_2_no_padding(tu.get_tensordict(tensor_dict=tensors))
+        tu.assign_non_tensor(td, **meta)
         return td
 
     def _infer(self, tensors: dict[str, torch.Tensor], *, reference: bool = False) -> dict[str, torch.Tensor]:
@@ -228,7 +237,7 @@ class PolicyUpdater:
         from verl.utils import tensordict_utils as tu
         from verl.workers.utils.padding import no_padding_2_padding
 
-        td = self._tensordict({k: tensors[k] for k in _ENGINE_KEYS}, calculate_entropy=not reference,
+        td = self._tensordict({k: tensors[k] for k in _ENGINE_KEYS if k in tensors}, calculate_entropy=not reference,
                               compute_loss=False)
         out = self._call("ref_log_prob" if reference else "infer_batch", td)
         valid = tensors["attention_mask"][:, tensors["prompts"].shape[1]:].float()
@@ -289,21 +298,26 @@ class PolicyUpdater:
 
         old = self._infer(t)
         old_lp = old["log_probs"]
-        train = {k: t[k] for k in _ENGINE_KEYS}
+        train = {k: t[k] for k in _ENGINE_KEYS if k in t}
         train["old_log_probs"] = old_lp
         if s.kl_coef > 0:
             train["ref_log_prob"] = self._infer(t, reference=True)["log_probs"]
 
-        adv, _ = algos.compute_advantages(
-            s.adv_estimator,
-            token_level_rewards=t["token_level_rewards"],
-            response_mask=mask,
-            index=uid,
-            values=None if values is None else values[order],
-            gamma=s.adv_gamma,
-            lam=s.gae_lambda,
-            norm_adv_by_std_in_grpo=s.norm_adv_by_std_in_grpo,
-        )
+        if s.adv_estimator == "gae" or "advantages" not in t:
+            adv, _ = algos.compute_advantages(
+                s.adv_estimator,
+                token_level_rewards=t["token_level_rewards"],
+                response_mask=mask,
+                index=uid,
+                values=None if values is None else values[order],
+                gamma=s.adv_gamma,
+                lam=s.gae_lambda,
+                norm_adv_by_std_in_grpo=s.norm_adv_by_std_in_grpo,
+            )
+        else:
+            # Per-attempt statistics spread over triplets by the credit rule (trainer.data):
+            # each attempt counts once in its group, whatever its number of triplets.
+            adv = t["advantages"] * mask.to(t["advantages"].dtype)
         train["advantages"] = adv
 
         metrics: dict[str, float] = {}

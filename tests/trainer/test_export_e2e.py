@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -54,8 +55,12 @@ def test_multi_turn_export_equals_replica_tokens(vllm_replica: Any, proxy_for: P
     with proxy_for([vllm_replica.url]) as proxy:
         seen = _converse(proxy.url)
     out = tmp_path / "triplets.jsonl"
+    # The conversation is greedy (temperature 0) so that its tokens are stable; greedy calls are
+    # not reproducible sampling and are dropped from training data unless kept explicitly.
+    env = {**os.environ, "ROLLTAP_TRAINER__UNREPRODUCIBLE_SAMPLING": "keep"}
     result = subprocess.run([TRAINER, "--db", db_url, "export", "--format", "jsonl", "--out", str(out),
-                             "--group-size", "1", "--mark-consumed"], capture_output=True, text=True, timeout=300)
+                             "--group-size", "1", "--mark-consumed"], capture_output=True, text=True, timeout=300,
+                            env=env)
     assert result.returncode == 0, result.stderr
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert rows and sum(len(r["call_ids"]) for r in rows) == 3  # every call is in exactly one row

@@ -44,7 +44,7 @@ def base_log_probs(tiny_model_dir: Path, batch: Batch) -> torch.Tensor:
 @pytest.fixture(scope="module", params=["lora", "full"])
 def trained(request: pytest.FixtureRequest, tiny_model_dir: Path, batch: Batch) -> Iterator[SimpleNamespace]:
     """One update of a fresh policy (LoRA or full weights) on `batch`."""
-    updater = PolicyUpdater(tiny_model_dir, settings(lora_rank=8 if request.param == "lora" else 0))
+    updater = PolicyUpdater(tiny_model_dir, settings(lora_rank=8 if request.param == "lora" else 0, ppo_epochs=1))
     before = updater.log_probs(batch)
     metrics = updater.update(batch)
     yield SimpleNamespace(kind=request.param, updater=updater, metrics=metrics, before=before,
@@ -114,10 +114,37 @@ def test_export_loads_in_transformers_and_peft(trained: SimpleNamespace, tiny_mo
             trained.updater.export(tmp_path / "adapter", kind="lora")
 
 
+def test_trust_region_acts_by_default(tiny_model_dir: Path, batch: Batch) -> None:
+    # Default: two passes over the batch; from the second on the policy is not the one that
+    # sampled, so the ratio leaves 1 and PPO's clip acts.
+    assert TrainerSettings().ppo_epochs == 2
+    updater = PolicyUpdater(tiny_model_dir, settings(lr=0.2))
+    try:
+        m = updater.update(batch)
+    finally:
+        updater.close()
+    assert m["mini_batches"] == 2
+    assert m["ppo_kl"] != 0 and m["clip_frac"] > 0
+
+
+def test_entropy_bonus_raises_entropy_without_any_advantage(tiny_model_dir: Path, batch: Batch) -> None:
+    flat = Batch(dict(batch.tensors), dict(batch.non_tensors), dict(batch.meta_info))
+    flat.tensors["advantages"] = torch.zeros_like(batch.tensors["response_mask"], dtype=torch.float32)  # all tied
+    updater = PolicyUpdater(tiny_model_dir, settings(lr=5e-2, entropy_coeff=1.0, ppo_epochs=1))
+    try:
+        first = updater.update(flat)
+        second = updater.update(flat)
+    finally:
+        updater.close()
+    assert first["adv_abs_mean"] == 0 and first["grad_norm"] > 0  # the bonus alone moves the policy
+    assert second["entropy"] > first["entropy"]
+
+
 @pytest.mark.parametrize("lora_rank", [8, 0])
 def test_kl_to_the_reference(tiny_model_dir: Path, batch: Batch, base_log_probs: torch.Tensor, lora_rank: int) -> None:
-    # LoRA: the reference is the base with the adapter off; full weights: a frozen copy.
-    updater = PolicyUpdater(tiny_model_dir, settings(lora_rank=lora_rank, kl_coef=0.5, lr=1e-2))
+    # LoRA: the reference is the base with the adapter off; full weights: a frozen copy. One epoch,
+    # one mini-batch: the first update's KL is then measured before the policy moved at all.
+    updater = PolicyUpdater(tiny_model_dir, settings(lora_rank=lora_rank, kl_coef=0.5, lr=1e-2, ppo_epochs=1))
     first = updater.update(batch)
     assert first["kl"] == pytest.approx(0, abs=1e-6)  # the policy starts as the reference
     second = updater.update(batch)

@@ -47,7 +47,7 @@ def test_two_ray_workers_match_one_process(ray_cluster: None, tiny_model_dir: Pa
 
     with PolicyUpdater(tiny_model_dir, settings(lora_rank=lora_rank, backend="ray", num_workers=2)) as ray_updater:
         got = ray_updater.update(batch)
-        assert got["mini_batches"] == expected["mini_batches"] == 2
+        assert got["mini_batches"] == expected["mini_batches"] == 4  # 2 mini-batches x 2 PPO epochs (the default)
         for key in ("loss", "pg_loss", "grad_norm", "entropy", "tokens", "adv_mean", "is_weight_mean"):
             assert got[key] == pytest.approx(expected[key], rel=1e-5, abs=1e-6), key
         state = ray_updater.training_state()
