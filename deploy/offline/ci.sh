@@ -53,9 +53,14 @@ up() {
   bash "$HERE/postgres-image.sh"; ts "postgres:15 image"
   bash "$HERE/compose-plugin.sh"; ts "compose plugin"
   write_env; torch_wheel; ts "env file $ENV_FILE, torch wheel in deploy/wheels/"
-  compose build 2>&1 | grep -vE '^#[0-9]+ (sha256|extracting|[0-9.]+ +(Collecting|Downloading|Using cached))' \
-    | tail -n 40
-  ts "images built"
+  # Compose builds one image after the other here; the vLLM image (the longest) builds beside the rest.
+  build_log() { tail -n 60 "$1" >&2; echo "build failed; full log: $1" >&2; exit 1; }
+  compose --progress plain build tiny-model > .rolltap/build-vllm-cpu.log 2>&1 & local vllm=$!
+  compose --progress plain build proxy-cpu trainer-cpu agent > .rolltap/build-rest.log 2>&1 \
+    || build_log .rolltap/build-rest.log
+  ts "proxy, trainer-cpu, agent images built"
+  wait "$vllm" || build_log .rolltap/build-vllm-cpu.log
+  ts "vllm-cpu image built"
   docker image ls --format '{{.Repository}}:{{.Tag}} {{.Size}}' | grep -E '^rolltap/' || true
   # The agent service is left out: the test drives its own rollout group from the host.
   if ! compose up -d --wait --wait-timeout 900 --scale agent=0; then
