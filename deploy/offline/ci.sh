@@ -23,6 +23,8 @@ ts() { local now; now=$(date +%s); printf '[compose-ci %4ds | step %4ds] %s\n' $
 compose() { docker compose --env-file "$ENV_FILE" --profile cpu "$@"; }
 
 write_env() {
+  # An existing file is kept, so a second `up` finds the running stack's secrets unchanged.
+  if [ -s "$ENV_FILE" ]; then return; fi
   mkdir -p "$(dirname "$ENV_FILE")"
   secret() { head -c 24 /dev/urandom | od -An -tx1 | tr -d ' \n'; }
   # The example with fresh secrets; the stack is published on loopback only.
@@ -75,6 +77,7 @@ down() {
     compose down -v --remove-orphans -t 60
     docker image prune -f >/dev/null
   fi
+  rm -f "$ENV_FILE"
   rm -f deploy/wheels/*.whl
   ts "stack down"
 }
