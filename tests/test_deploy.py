@@ -1,21 +1,34 @@
-"""Deployment files: the compose file and the Dockerfiles validate with the real tools.
+"""Deployment files: the compose layouts and the Dockerfiles validate with the real tools.
 
-No Docker engine runs here; the services' commands themselves are exercised natively
-by the CLI tests (`tests/proxy/test_cli.py`, `tests/trainer/test_loop.py`).
+This checks the files without an engine (Compose's own `config`, hadolint). The stack itself runs in
+`tests/deploy/test_compose.py`, against the `cpu` profile `.ci/run` brings up.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
+import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
+EXAMPLE_ENV = ROOT / ".env.example"
+SECRETS = ("POSTGRES_PASSWORD", "ROLLTAP_PROXY__ADMIN_TOKEN", "ROLLTAP_PROXY__AGENT_KEY")
+# Each layout: extra compose arguments and the services it starts.
+LAYOUTS = {
+    "one GPU": ([], {"postgres", "volume-owner", "vllm-0", "vllm-1", "proxy", "trainer"}),
+    "several GPUs": (["-f", "docker-compose.yml", "-f", "docker-compose.gpus.yml"],
+                     {"postgres", "volume-owner", "vllm-0", "vllm-1", "proxy", "trainer"}),
+    "cpu": (["--profile", "cpu"], {"postgres", "tiny-model", "volume-owner-cpu", "vllm-cpu-0", "vllm-cpu-1",
+                                   "proxy-cpu", "trainer-cpu", "agent"}),
+}
 
 
 def _tool(name: str) -> str:
@@ -24,37 +37,114 @@ def _tool(name: str) -> str:
     return path
 
 
-def test_compose_file_is_valid() -> None:
-    env = {**os.environ, "MODEL_DIR": "/models/x", "ROLLTAP_ADMIN_TOKEN": "t"}
-    result = subprocess.run([_tool("docker-compose"), "-f", str(ROOT / "docker-compose.yml"), "config", "-q"],
-                            env=env, capture_output=True, text=True)
+def _env() -> dict[str, str]:
+    """The process environment without anything compose would interpolate (the env file decides)."""
+    return {k: v for k, v in os.environ.items() if not k.startswith(("ROLLTAP_", "COMPOSE_", "VLLM_", "POSTGRES_"))
+            and k not in ("MODEL_DIR", "GPU", "TORCH_INDEX_URL")}
+
+
+def _config(args: list[str], env_file: Path = EXAMPLE_ENV) -> dict[str, Any]:
+    result = subprocess.run([_tool("docker-compose"), "--env-file", str(env_file), *args, "config", "--format", "json"],
+                            cwd=ROOT, env=_env(), capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+    config: dict[str, Any] = json.loads(result.stdout)
+    return config
 
 
-def test_compose_refuses_to_start_without_secrets() -> None:
-    env = {k: v for k, v in os.environ.items() if k not in ("MODEL_DIR", "ROLLTAP_ADMIN_TOKEN")}
-    result = subprocess.run([_tool("docker-compose"), "-f", str(ROOT / "docker-compose.yml"), "config", "-q"],
-                            env=env, capture_output=True, text=True)
-    output = result.stderr + result.stdout
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_each_layout_is_valid_and_starts_its_services(layout: str) -> None:
+    args, services = LAYOUTS[layout]
+    assert set(_config(args)["services"]) == services
+
+
+@pytest.mark.parametrize("secret", SECRETS)
+def test_compose_refuses_to_start_without_a_secret(secret: str, tmp_path: Path) -> None:
+    env_file = tmp_path / ".env"
+    env_file.write_text("".join(line + "\n" for line in EXAMPLE_ENV.read_text().splitlines()
+                                if not line.startswith(f"{secret}=")))
+    result = subprocess.run([_tool("docker-compose"), "--env-file", str(env_file), "config", "-q"],
+                            cwd=ROOT, env=_env(), capture_output=True, text=True)
     assert result.returncode != 0
-    assert "MODEL_DIR" in output or "ROLLTAP_ADMIN_TOKEN" in output
+    assert secret in result.stderr
 
 
-def test_compose_wires_the_services_as_the_cli_expects() -> None:
-    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
-    proxy = compose["services"]["proxy"]
-    replicas = [proxy["command"][i + 1] for i, arg in enumerate(proxy["command"]) if arg == "--replica"]
-    assert replicas == ["http://vllm-0:8000", "http://vllm-1:8000"]
-    assert proxy["environment"]["ROLLTAP_PROXY__POOL__WEIGHT_MODE"] == "lora"
+def test_no_secret_on_a_command_line_and_the_agent_key_is_wired() -> None:
+    for args, _ in LAYOUTS.values():
+        config = _config(args)
+        for name, service in config["services"].items():
+            words = " ".join(service.get("command") or []) + " " + " ".join(service.get("entrypoint") or [])
+            assert "change-me" not in words, name
+            url = (service.get("environment") or {}).get("ROLLTAP_DB__URL")
+            if url:
+                assert "change-me" not in url and (service["environment"]["PGPASSWORD"] == "change-me"), name
+        proxies = [s for n, s in config["services"].items() if n.startswith("proxy")]
+        for proxy in proxies:
+            assert proxy["environment"]["ROLLTAP_PROXY__AGENT_KEY"] == "change-me"
+            assert proxy["environment"]["ROLLTAP_PROXY__OPEN_ACCESS"] == "false"
+    agent = _config(["--profile", "cpu"])["services"]["agent"]
+    assert agent["environment"]["ROLLTAP_AGENT_KEY"] == "change-me"
+
+
+def _seconds(duration: str) -> float:
+    units = {"ms": 0.001, "s": 1, "m": 60}
+    for unit in sorted(units, key=len, reverse=True):
+        if duration.endswith(unit):
+            return float(duration[: -len(unit)]) * units[unit]
+    raise AssertionError(duration)
+
+
+def test_one_gpu_layout_shares_the_gpu_with_explicit_fractions() -> None:
+    services = _config([])["services"]
     for name in ("vllm-0", "vllm-1"):
-        assert "--enable-lora" in compose["services"][name]["command"]
-    # The trainer writes adapters where the replicas read them.
-    trainer_volumes = compose["services"]["trainer"]["volumes"]
-    assert "policies:/shared/policies" in trainer_volumes
-    assert "policies:/shared/policies:ro" in compose["x-vllm"]["volumes"]
+        command = services[name]["command"]
+        assert command[command.index("--gpu-memory-utilization") + 1] == "0.30"
+        assert {"--enable-lora", "--enable-auto-tool-choice", "--tool-call-parser"} <= set(command)
+        assert services[name]["ipc"] == "host"
+    gpus = {name: services[name]["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"]
+            for name in ("vllm-0", "vllm-1", "trainer")}
+    assert gpus == {"vllm-0": ["0"], "vllm-1": ["0"], "trainer": ["0"]}
+    several = _config(LAYOUTS["several GPUs"][0])["services"]
+    gpus = {name: several[name]["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"]
+            for name in ("vllm-0", "vllm-1", "trainer")}
+    assert gpus == {"vllm-0": ["0"], "vllm-1": ["1"], "trainer": ["2"]}
+    command = several["vllm-0"]["command"]
+    assert command[command.index("--gpu-memory-utilization") + 1] == "0.90"
+
+
+def test_lifecycle_settings() -> None:
+    for args, _ in LAYOUTS.values():
+        services = _config(args)["services"]
+        proxy = services.get("proxy") or services["proxy-cpu"]
+        # The proxy drains for up to 30 s (proxy.shutdown_timeout_s) and then flushes its records.
+        assert _seconds(proxy["stop_grace_period"]) > 30
+        trainer = services.get("trainer") or services["trainer-cpu"]
+        assert trainer["restart"] == "on-failure"  # exits 0 after max_steps and stays down
+        assert trainer["depends_on"][next(n for n in trainer["depends_on"] if n.startswith("proxy"))][
+            "condition"] == "service_healthy"
+        assert trainer.get("shm_size") or trainer.get("ipc") == "host"
+        for name, service in services.items():
+            for volume in service.get("volumes", []):
+                if volume["target"] in ("/shared/policies", "/var/lib/rolltap", "/var/lib/postgresql/data"):
+                    assert volume["type"] == "volume", (name, volume)
+
+
+def test_the_trainer_image_follows_the_vllm_image() -> None:
+    trainer = _config([])["services"]["trainer"]
+    vllm = _config([])["services"]["vllm-0"]
+    assert trainer["build"]["args"]["BASE_IMAGE"] == vllm["image"] == "vllm/vllm-openai:v0.26.0"
+    text = (ROOT / "docker-compose.yml").read_text()
+    for variable in ("VLLM_IMAGE", "POSTGRES_IMAGE", "PYTHON_IMAGE", "ROLLTAP_PROXY_IMAGE", "TORCH_INDEX_URL"):
+        assert "${" + variable in text, variable
+
+
+def test_dockerignore_keeps_secrets_and_environments_out() -> None:
+    ignored = (ROOT / ".dockerignore").read_text().split()
+    for entry in (".env", ".venv", ".git", ".rolltap"):
+        assert entry in ignored
 
 
 def test_dockerfiles_lint_clean() -> None:
-    result = subprocess.run([_tool("hadolint"), str(ROOT / "Dockerfile.proxy"), str(ROOT / "Dockerfile.trainer")],
-                            capture_output=True, text=True)
+    dockerfiles = sorted(ROOT.glob("Dockerfile*")) + sorted((ROOT / "deploy").rglob("Dockerfile*"))
+    assert len(dockerfiles) >= 5
+    result = subprocess.run([_tool("hadolint"), *map(str, dockerfiles)], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
