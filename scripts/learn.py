@@ -46,6 +46,7 @@ from sqlalchemy import create_engine, select
 from examples.agent import Task as ArithmeticTask
 from examples.agent import score as arithmetic_score
 from examples.letter_task import LetterTask, run_attempt
+from shared.db.engine import sync_url
 from shared.db.models import TrainingStep
 from trainer.plot import plot_steps
 from tools.replica import VllmReplica, start_replicas
@@ -231,6 +232,11 @@ def main() -> None:
     parser.add_argument("--kv-cache-gb", type=int, default=None,
                         help="VLLM_CPU_KVCACHE_SPACE per replica (default: tools.replica's, 1 GiB)")
     parser.add_argument("--replicas", type=int, default=2)
+    parser.add_argument("--replica-arg", action="append", default=[], metavar="ARG",
+                        help="an extra vLLM flag for every replica, repeatable (on a GPU host: "
+                        "--replica-arg=--gpu-memory-utilization=0.2 so two replicas and the trainer share it)")
+    parser.add_argument("--db", default=None, help="the database URL for the proxy and the trainer "
+                        "(default: SQLite in --workdir)")
     parser.add_argument("--task", choices=("letter", "arithmetic"), default="letter")
     parser.add_argument("--max-operand", type=int, default=20, help="arithmetic: A and B are drawn from 1..N")
     parser.add_argument("--max-tokens", type=int, default=None,
@@ -269,7 +275,7 @@ def main() -> None:
         if not (model / "config.json").is_file():
             raise SystemExit(f"--model-dir {model}: no config.json (not a Hugging Face model directory)")
         served_name = args.served_name or model.name
-    db = f"sqlite:///{args.workdir / 'rolltap.db'}"
+    db = args.db or f"sqlite:///{args.workdir / 'rolltap.db'}"
     proxy_url = f"http://127.0.0.1:{args.port}"
     bin_dir = Path(sys.executable).parent
     replica_kwargs: dict[str, Any] = {"served_model_name": served_name, "enable_lora": True}
@@ -279,9 +285,12 @@ def main() -> None:
         replica_kwargs["max_model_len"] = args.max_model_len
     if args.kv_cache_gb is not None:
         replica_kwargs["extra_env"] = {"VLLM_CPU_KVCACHE_SPACE": str(args.kv_cache_gb)}
+    extra_args = list(args.replica_arg)
     if args.lora_rank > 8:  # tools.replica passes --max-lora-rank 8; the last flag wins
-        replica_kwargs["extra_args"] = ["--max-lora-rank", str(args.lora_rank)]
-    print(f"starting {args.replicas} CPU vLLM replica(s) with runtime LoRA ...", flush=True)
+        extra_args += ["--max-lora-rank", str(args.lora_rank)]
+    if extra_args:
+        replica_kwargs["extra_args"] = extra_args
+    print(f"starting {args.replicas} vLLM replica(s) with runtime LoRA ...", flush=True)
     t = time.monotonic()
     replicas: list[VllmReplica] = start_replicas(args.replicas, model, timeout_s=900, **replica_kwargs)
     replica_start_s = time.monotonic() - t
@@ -351,7 +360,7 @@ def main() -> None:
         elapsed_min = (time.monotonic() - started) / 60
         trainer.terminate()
         trainer.wait(timeout=120)
-        engine = create_engine(db)
+        engine = create_engine(sync_url(db))
         with engine.connect() as conn:
             steps = [(int(step), metrics) for step, metrics in conn.execute(
                 select(TrainingStep.step, TrainingStep.metrics).order_by(TrainingStep.step)).all()]
@@ -384,7 +393,21 @@ def _machine() -> str:
         mem_kb = int(Path("/proc/meminfo").read_text().split()[1])
     except (OSError, ValueError, IndexError):
         mem_kb = 0
-    return f"{os.cpu_count()} cores ({cpu}), {mem_kb / 2**20:.0f} GiB RAM, no GPU, Python {platform.python_version()}"
+    return f"{os.cpu_count()} cores ({cpu}), {mem_kb / 2**20:.0f} GiB RAM, {_gpu()}, Python {platform.python_version()}"
+
+
+def _gpu() -> str:
+    """The GPU the replicas and the trainer share, from nvidia-smi (the driver's own tool)."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "no GPU"
+    return out.replace("\n", "; ") or "no GPU"
+
+
+def _db_kind(args: argparse.Namespace) -> str:
+    return "sqlite" if args.db is None or args.db.startswith("sqlite") else "postgresql"
 
 
 def _median(values: list[float]) -> float | None:
@@ -422,11 +445,12 @@ def _write_report(args: argparse.Namespace, model: Path, served_name: str, curve
     lines = [
         f"# {args.title}",
         "",
-        f"Run {datetime.now(UTC):%Y-%m-%d %H:%M} UTC on the {os.cpu_count()}-core, no-GPU machine: {model_text}, "
-        f"{args.replicas} CPU vLLM replica{'s' if args.replicas != 1 else ''} with runtime LoRA "
+        f"Run {datetime.now(UTC):%Y-%m-%d %H:%M} UTC on the {os.cpu_count()}-core machine ({_gpu()}): {model_text}, "
+        f"{args.replicas} vLLM replica{'s' if args.replicas != 1 else ''} with runtime LoRA "
         f"(`--dtype {args.dtype} --max-model-len {args.max_model_len}`"
-        f"{f', VLLM_CPU_KVCACHE_SPACE={args.kv_cache_gb}' if args.kv_cache_gb is not None else ''}), the proxy on "
-        f"SQLite, the trainer (`rolltap-trainer run --config`, verl GRPO with LoRA rank {args.lora_rank}) and the "
+        f"{f', VLLM_CPU_KVCACHE_SPACE={args.kv_cache_gb}' if args.kv_cache_gb is not None else ''}"
+        f"{''.join(' ' + a for a in args.replica_arg)}), the proxy on "
+        f"{'SQLite' if _db_kind(args) == 'sqlite' else 'PostgreSQL'}, the trainer (`rolltap-trainer run --config`, verl GRPO with LoRA rank {args.lora_rank}) and the "
         f"agent ({task_text}, plain `openai` SDK).",
         f"Command: `.venv/bin/python -m scripts.learn {shlex.join(sys.argv[1:])}`",
         "",
@@ -434,7 +458,8 @@ def _write_report(args: argparse.Namespace, model: Path, served_name: str, curve
         f"- settings: {args.groups} groups x {args.group_size} attempts per policy version, max_tokens "
         f"{args.max_tokens}, temperature 1.0; trainer lr {args.lr:g}, LoRA rank {args.lora_rank} alpha "
         f"{args.lora_alpha} (all linear layers), mini-batch {args.mini_batch}, micro-batch {args.micro_batch}, "
-        f"PPO epochs {args.ppo_epochs}, entropy_coeff {args.entropy_coeff:g}, fp32, kl_coef 0, max_staleness 1, "
+        f"PPO epochs {args.ppo_epochs}, entropy_coeff {args.entropy_coeff:g}, "
+        f"{'fp32' if _gpu() == 'no GPU' else 'bf16 compute, fp32 master weights'}, kl_coef 0, max_staleness 1, "
         f"seed {args.seed}",
         f"- replicas healthy after {replica_start_s:.0f} s (not counted below)",
         f"- policy versions trained and served: {len(curve)} in {elapsed_min:.1f} min",

