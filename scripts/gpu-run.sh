@@ -37,29 +37,32 @@ for b in vllm verl rolltap; do unpack "$b" "$SITE"; done
 unpack smol "$STASH/models"
 export PYTHONPATH="$SITE:$PWD"
 
-# A venv over the host's packages whose bin/ holds the two console scripts pyproject.toml declares
-# (written here: the repo is on PYTHONPATH, and pip would need a build backend the host may lack).
-if [ ! -x "$STASH/venv/bin/rolltap-trainer" ]; then
-  "$PY" -m venv --system-site-packages --without-pip "$STASH/venv"
-  for cli in proxy trainer; do
-    printf '#!%s\nfrom %s.main import main\nraise SystemExit(main())\n' "$STASH/venv/bin/python" "$cli" \
-      > "$STASH/venv/bin/rolltap-$cli"
-    chmod +x "$STASH/venv/bin/rolltap-$cli"
-  done
-fi
-VPY=$STASH/venv/bin/python
+# The two console scripts pyproject.toml declares, written beside the host's interpreter (the repo
+# is on PYTHONPATH; pip would need a build backend, and a venv over the host's own venv would not
+# see its torch).
+VPY=$("$PY" -c 'import sys; print(sys.executable)')
+for cli in proxy trainer; do
+  [ -x "$(dirname "$VPY")/rolltap-$cli" ] && continue
+  printf '#!%s\nfrom %s.main import main\nraise SystemExit(main())\n' "$VPY" "$cli" > "$(dirname "$VPY")/rolltap-$cli"
+  chmod +x "$(dirname "$VPY")/rolltap-$cli"
+done
 
-# PostgreSQL from pgserver's binaries; it refuses to run as root, so as a user of its own.
-PG=$SITE/pgserver/pginstall/bin
-if ! "$PG/pg_isready" -h 127.0.0.1 -p 5432 -q 2>/dev/null; then
+# PostgreSQL from pgserver's binaries; it refuses to run as root, so as a user of its own, from a
+# copy outside /root (which that user cannot enter).
+PG=/tmp/rolltap-pg/pgserver/pginstall/bin
+if ! "$SITE/pgserver/pginstall/bin/pg_isready" -h 127.0.0.1 -p 5432 -q 2>/dev/null; then
   id rolltap-pg >/dev/null 2>&1 || useradd -M rolltap-pg
-  rm -rf /tmp/rolltap-pg && mkdir -p /tmp/rolltap-pg && chown rolltap-pg /tmp/rolltap-pg
+  rm -rf /tmp/rolltap-pg && mkdir -p /tmp/rolltap-pg/pgserver && cp -a "$SITE/pgserver.libs" /tmp/rolltap-pg/
+  cp -a "$SITE/pgserver/pginstall" /tmp/rolltap-pg/pgserver/  # its libraries sit at ../../../pgserver.libs
+  chown -R rolltap-pg /tmp/rolltap-pg
   runuser -u rolltap-pg -- "$PG/initdb" -D /tmp/rolltap-pg/data -U postgres -A trust >/dev/null
   runuser -u rolltap-pg -- "$PG/pg_ctl" -D /tmp/rolltap-pg/data -l /tmp/rolltap-pg/log -w \
     -o "-h 127.0.0.1 -p 5432 -k /tmp/rolltap-pg -c max_connections=200" start >/dev/null
-  runuser -u rolltap-pg -- "$PG/createdb" -h 127.0.0.1 -U postgres rolltap
   say "PostgreSQL up"
 fi
+# A fresh database per run: rollout and attempt ids repeat from run to run.
+runuser -u rolltap-pg -- "$PG/dropdb" --if-exists -h 127.0.0.1 -U postgres rolltap
+runuser -u rolltap-pg -- "$PG/createdb" -h 127.0.0.1 -U postgres rolltap
 
 MODEL=$STASH/models/smollm2-135m
 "$VPY" -m tools.smollm2 "$STASH/models/smol/SmolLM2-135M-Instruct.Q4_1.gguf" "$MODEL" >/dev/null
