@@ -34,6 +34,7 @@ from proxy import metrics
 from proxy.access import AgentKey, Slots
 from proxy.admission import Admission
 from proxy.assemble import assemble_stream, extract
+from proxy.responses import ask_for_tokens as _ask_for_response_tokens
 from proxy.balancer import Balancer, ReplicaState
 from proxy.drain import Drain
 from proxy.journal import Journal
@@ -335,6 +336,9 @@ class Relay:
     def _ask_for_tokens(route: str, body: dict[str, Any]) -> None:
         # vLLM returns exact prompt and completion token IDs on request; logprobs make
         # off-policy correction possible. A client's own logprob settings are kept.
+        if route == Route.RESPONSES:
+            _ask_for_response_tokens(body)
+            return
         body["return_token_ids"] = True
         if route == Route.CHAT and not body.get("logprobs"):
             body["logprobs"] = True

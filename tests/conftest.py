@@ -55,7 +55,8 @@ def vllm_replica(tiny_model_dir: Path) -> Iterator[Any]:
         yield SimpleNamespace(url=external.rstrip("/"), served_model_name="tiny")
         return
 
-    with VllmReplica(tiny_model_dir, served_model_name="tiny") as replica:
+    # The hermes tool parser is on by default; stored Responses make `previous_response_id` work.
+    with VllmReplica(tiny_model_dir, served_model_name="tiny", responses_store=True) as replica:
         replica.wait_healthy(600)
         yield replica
 
