@@ -36,9 +36,9 @@ async def _run(client: AsyncOpenAI, api: Api, question: str) -> str:
     model = (OpenAIResponsesModel(model="policy", openai_client=client) if api == "responses"
              else OpenAIChatCompletionsModel(model="policy", openai_client=client))
     agent = Agent(name="calculator", instructions="Answer arithmetic questions with the add tool.", model=model,
-                  tools=[add_tool], model_settings=ModelSettings(tool_choice="required", max_tokens=48))
+                  tools=[add_tool], model_settings=ModelSettings(tool_choice="required", max_tokens=200))
     try:
-        result = await Runner.run(agent, question, max_turns=4)
+        result = await Runner.run(agent, question, max_turns=3)
     except (MaxTurnsExceeded, ModelBehaviorError):  # a model that never stops calling, or calls badly
         return ""
     finally:

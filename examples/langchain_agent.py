@@ -27,7 +27,7 @@ add_tool = tool(add)
 def run_attempt(proxy_url: str, rollout_id: str, attempt_id: str, task: Task, api_key: str = "none",
                 *, max_turns: int = 3) -> float:
     llm = ChatOpenAI(model="policy", base_url=base_url(proxy_url, rollout_id, attempt_id), api_key=api_key,
-                     max_tokens=48, max_retries=0)
+                     max_tokens=200, max_retries=0)
     messages: list[BaseMessage] = [HumanMessage(task.question)]
     answer = ""
     for turn in range(max_turns):

@@ -30,7 +30,7 @@ def run_attempt(proxy_url: str, rollout_id: str, attempt_id: str, task: Task, ap
     answer = ""
     for turn in range(max_turns):
         out = client.chat.completions.create(model="policy", messages=messages, tools=[ADD_TOOL],  # type: ignore[list-item]
-                                             tool_choice="required" if turn == 0 else "auto", max_tokens=48)
+                                             tool_choice="required" if turn == 0 else "auto", max_tokens=200)
         message = out.choices[0].message
         messages.append(message.model_dump(exclude_none=True))
         if not message.tool_calls:

@@ -55,8 +55,10 @@ def vllm_replica(tiny_model_dir: Path) -> Iterator[Any]:
         yield SimpleNamespace(url=external.rstrip("/"), served_model_name="tiny")
         return
 
-    # The hermes tool parser is on by default; stored Responses make `previous_response_id` work.
-    with VllmReplica(tiny_model_dir, served_model_name="tiny", responses_store=True) as replica:
+    # The hermes tool parser is on by default; stored Responses make `previous_response_id` work;
+    # 1024 tokens of context (the tiny model's most) leave room for tool-calling turns: a tool
+    # list alone is ~300 tokens.
+    with VllmReplica(tiny_model_dir, served_model_name="tiny", responses_store=True, max_model_len=1024) as replica:
         replica.wait_healthy(600)
         yield replica
 
