@@ -105,3 +105,45 @@ def test_tool_loop_merges_with_tool_result_masked(proxy_for: ProxyFactory, tiny_
                                      "<|im_start|>assistant\n"  # the tool's answer: in the sequence, out of the loss
     masked_logprobs = [lp for lp, m in zip(row.response_logprobs or [], row.response_mask, strict=True) if not m]
     assert masked_logprobs == [0.0] * len(glue)
+
+
+@pytest.mark.vllm
+def test_real_replica_tool_loop_never_trains_on_tool_results(vllm_replica: Any, proxy_for: ProxyFactory,
+                                                             tokenizer: Any) -> None:
+    with proxy_for([vllm_replica.url]) as proxy:
+        client = openai.OpenAI(base_url=proxy.base_url("tools-real", "0"), api_key="unused")
+        # `required`: the replica constrains the output to a Hermes tool call, parsed by its `hermes` parser.
+        first = client.chat.completions.create(model="m", messages=MESSAGES, tools=TOOLS, tool_choice="required",
+                                               max_tokens=200, seed=1)
+        message = first.choices[0].message
+        assert first.choices[0].finish_reason == "tool_calls" and message.tool_calls, message
+        messages = [*MESSAGES, message.model_dump(exclude_none=True)]
+        results = []
+        for call in message.tool_calls:
+            results.append(_run_tool(call))
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": results[-1]})
+        client.chat.completions.create(model="m", messages=messages, tools=TOOLS, max_tokens=16, seed=2)
+        attempt = httpx.get(f"{proxy.url}/rollout/tools-real/attempt/0").json()
+
+    one, two = attempt["calls"]
+    assert one["finish_reason"] == "tool_calls"
+    assert one["response"]["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "add"
+    assert "<tool_call>" in tokenizer.decode(one["completion_token_ids"])  # the call is in the generated tokens
+    # The replica rendered the tool results into the next prompt.
+    assert all(f"<tool_response>\n{r}\n</tool_response>" in tokenizer.decode(two["prompt_token_ids"]) for r in results)
+
+    triplets, drops = build_triplets(call_rows(attempt), KEEP)
+    assert drops == []
+    by_id = {c["call_id"]: c for c in attempt["calls"]}
+    for row in triplets:
+        generated = [t for t, m in zip(row.response_ids, row.response_mask, strict=True) if m]
+        # Trained tokens are exactly what the model generated, its tool call included.
+        assert generated == [t for cid in row.call_ids for t in by_id[cid]["completion_token_ids"]]
+    # The tool results are never trained on: in the masked glue when the two turns merged, in the
+    # second triplet's prompt when they did not (the template re-rendered the call differently).
+    row = next(r for r in triplets if two["call_id"] in r.call_ids)
+    if one["call_id"] in row.call_ids:
+        where = tokenizer.decode([t for t, m in zip(row.response_ids, row.response_mask, strict=True) if not m])
+    else:
+        where = tokenizer.decode(row.prompt_ids)
+    assert all(f"<tool_response>\n{r}\n</tool_response>" in where for r in results)
