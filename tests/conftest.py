@@ -61,7 +61,8 @@ def vllm_replica(tiny_model_dir: Path) -> Iterator[Any]:
     # No free whitespace in constrained JSON (`tool_choice: "required"`): a random model would fill
     # its token budget with it before closing the tool call.
     with VllmReplica(tiny_model_dir, served_model_name="tiny", responses_store=True, max_model_len=1024,
-                     extra_args=["--structured-outputs-config", '{"disable_any_whitespace": true}']) as replica:
+                     extra_args=["--structured-outputs-config",
+                                 '{"backend": "xgrammar", "disable_any_whitespace": true}']) as replica:
         replica.wait_healthy(600)
         yield replica
 
