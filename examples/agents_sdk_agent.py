@@ -4,7 +4,7 @@ the Responses API (`OpenAIResponsesModel`, the SDK's default) or chat completion
 
 Rolltap sees it only through the client's base URL (`examples.calculator.base_url`). The
 SDK's tracing is switched off: it would export traces to OpenAI's servers. The first turn
-requires a tool call (`tool_choice="required"`; the SDK resets the choice after a tool ran).
+names the tool to call (`tool_choice="add"`; the SDK resets the choice after a tool ran).
 
 ``python -m examples.agents_sdk_agent --proxy URL [--api responses|chat] [--group-size 4]`` runs one group.
 """
@@ -36,7 +36,7 @@ async def _run(client: AsyncOpenAI, api: Api, question: str) -> str:
     model = (OpenAIResponsesModel(model="policy", openai_client=client) if api == "responses"
              else OpenAIChatCompletionsModel(model="policy", openai_client=client))
     agent = Agent(name="calculator", instructions="Answer arithmetic questions with the add tool.", model=model,
-                  tools=[add_tool], model_settings=ModelSettings(tool_choice="required", max_tokens=200))
+                  tools=[add_tool], model_settings=ModelSettings(tool_choice="add", max_tokens=200))
     try:
         result = await Runner.run(agent, question, max_turns=3)
     except (MaxTurnsExceeded, ModelBehaviorError):  # a model that never stops calling, or calls badly

@@ -16,13 +16,16 @@ from dataclasses import dataclass
 
 import httpx
 
-__all__ = ["ADD_TOOL", "Task", "add", "base_url", "finish", "run_group", "score"]
+__all__ = ["ADD_TOOL", "FORCE_ADD", "Task", "add", "base_url", "finish", "run_group", "score"]
 
 # The tool in OpenAI's chat-completions shape (the SDKs that take Python functions derive the same).
 ADD_TOOL = {"type": "function", "function": {
     "name": "add", "description": "Add two integers and return the sum.",
     "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
                    "required": ["a", "b"], "additionalProperties": False}}}
+# `tool_choice` that makes the model call `add` (the replica constrains its output to the tool's
+# arguments): the first turn of each example uses it, so even the tests' random tiny model calls the tool.
+FORCE_ADD = {"type": "function", "function": {"name": "add"}}
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 tool calls run and answered with `ToolMessage`s until it replies in text.
 
 Rolltap sees it only through `base_url` (`examples.calculator.base_url`). The first turn
-requires a tool call (`tool_choice="required"`), later turns leave the choice to the model.
+names the tool to call (`tool_choice="add"`), later turns leave the choice to the model.
 
 ``python -m examples.langchain_agent --proxy URL [--group-size 4]`` runs one group.
 """
@@ -31,7 +31,7 @@ def run_attempt(proxy_url: str, rollout_id: str, attempt_id: str, task: Task, ap
     messages: list[BaseMessage] = [HumanMessage(task.question)]
     answer = ""
     for turn in range(max_turns):
-        reply = llm.bind_tools([add_tool], tool_choice="required" if turn == 0 else "auto").invoke(messages)
+        reply = llm.bind_tools([add_tool], tool_choice="add" if turn == 0 else "auto").invoke(messages)
         messages.append(reply)
         if not reply.tool_calls:  # type: ignore[attr-defined]
             answer = str(reply.content)

@@ -2,8 +2,8 @@
 for, send the results back, until it answers.
 
 Rolltap sees it only through its base URL (`examples.calculator.base_url`). The first turn
-requires a tool call (`tool_choice="required"`), the usual way to make an agent use its
-tools; later turns leave the choice to the model.
+names the tool it must call (`tool_choice`), the usual way to make an agent use its tools;
+later turns leave the choice to the model.
 
 ``python -m examples.openai_tool_loop --proxy URL [--group-size 4]`` runs one group.
 """
@@ -18,7 +18,7 @@ from typing import Any
 
 import openai
 
-from examples.calculator import ADD_TOOL, Task, add, base_url, finish, run_group, score
+from examples.calculator import ADD_TOOL, FORCE_ADD, Task, add, base_url, finish, run_group, score
 
 __all__ = ["run_attempt"]
 
@@ -30,7 +30,7 @@ def run_attempt(proxy_url: str, rollout_id: str, attempt_id: str, task: Task, ap
     answer = ""
     for turn in range(max_turns):
         out = client.chat.completions.create(model="policy", messages=messages, tools=[ADD_TOOL],  # type: ignore[list-item]
-                                             tool_choice="required" if turn == 0 else "auto", max_tokens=200)
+                                             tool_choice=FORCE_ADD if turn == 0 else "auto", max_tokens=200)
         message = out.choices[0].message
         messages.append(message.model_dump(exclude_none=True))
         if not message.tool_calls:

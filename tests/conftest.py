@@ -58,11 +58,7 @@ def vllm_replica(tiny_model_dir: Path) -> Iterator[Any]:
     # The hermes tool parser is on by default; stored Responses make `previous_response_id` work;
     # 1024 tokens of context (the tiny model's most) leave room for tool-calling turns: a tool
     # list alone is ~300 tokens.
-    # No free whitespace in constrained JSON (`tool_choice: "required"`): a random model would fill
-    # its token budget with it before closing the tool call.
-    with VllmReplica(tiny_model_dir, served_model_name="tiny", responses_store=True, max_model_len=1024,
-                     extra_args=["--structured-outputs-config",
-                                 '{"backend": "xgrammar", "disable_any_whitespace": true}']) as replica:
+    with VllmReplica(tiny_model_dir, served_model_name="tiny", responses_store=True, max_model_len=1024) as replica:
         replica.wait_healthy(600)
         yield replica
 

@@ -55,7 +55,7 @@ def test_example_group_is_recorded_with_tokens(name: str, vllm_replica: Any, pro
             assert call["status"] == "ok", call["error"]
             assert call["prompt_token_ids"] and call["completion_token_ids"], call["call_id"]
             assert call["policy_version"] == 0 and call["served_model"] == "tiny"
-        # The first turn requires a tool: the replica's tool parser turned it into a tool call,
-        # and the agent sent the tool's result back in the next call.
+        # The first turn names the tool: the replica returned a tool call, and the agent sent
+        # the tool's result back in the next call.
         assert _tool_calls(calls[0]), calls[0]["response"]
         assert len(calls) >= 2

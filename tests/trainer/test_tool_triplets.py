@@ -4,7 +4,7 @@ Two halves. The format: a fault-injecting replica answers with a Hermes `<tool_c
 spelled out with the tiny model's real tokenizer (a random model cannot be made to emit it),
 so the merge of a tool loop into one triplet is checked token by token. The tokens: a real
 vLLM replica started with the `hermes` tool parser serves a tool loop whose call is forced
-by `tool_choice`, and the recorded calls, tool result included, become triplets in which no
+by a named `tool_choice`, and the recorded calls, tool result included, become triplets in which no
 tool-result token is ever trained on.
 """
 
@@ -112,11 +112,12 @@ def test_real_replica_tool_loop_never_trains_on_tool_results(vllm_replica: Any, 
                                                              tokenizer: Any) -> None:
     with proxy_for([vllm_replica.url]) as proxy:
         client = openai.OpenAI(base_url=proxy.base_url("tools-real", "0"), api_key="unused")
-        # `required`: the replica constrains the output to a Hermes tool call, parsed by its `hermes` parser.
-        first = client.chat.completions.create(model="m", messages=MESSAGES, tools=TOOLS, tool_choice="required",
-                                               max_tokens=200, seed=1)
+        # A named tool: the replica constrains the output to a Hermes block calling it (a random model
+        # emits none on its own) and its `hermes` parser returns it as a tool call.
+        first = client.chat.completions.create(model="m", messages=MESSAGES, tools=TOOLS, max_tokens=200, seed=1,
+                                               tool_choice={"type": "function", "function": {"name": "add"}})
         message = first.choices[0].message
-        assert first.choices[0].finish_reason == "tool_calls" and message.tool_calls, message
+        assert message.tool_calls, message
         messages = [*MESSAGES, message.model_dump(exclude_none=True)]
         results = []
         for call in message.tool_calls:
@@ -126,9 +127,11 @@ def test_real_replica_tool_loop_never_trains_on_tool_results(vllm_replica: Any, 
         attempt = httpx.get(f"{proxy.url}/rollout/tools-real/attempt/0").json()
 
     one, two = attempt["calls"]
-    assert one["finish_reason"] == "tool_calls"
-    assert one["response"]["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "add"
-    assert "<tool_call>" in tokenizer.decode(one["completion_token_ids"])  # the call is in the generated tokens
+    recorded_call = one["response"]["choices"][0]["message"]["tool_calls"][0]["function"]
+    assert recorded_call["name"] == "add"
+    # The call is what the model generated (a Hermes block the replica parsed): in its completion tokens.
+    generated = tokenizer.decode(one["completion_token_ids"], skip_special_tokens=True)
+    assert generated.startswith('<tool_call>\n{"name": "add", "arguments": ') and generated.endswith("</tool_call>")
     # The replica rendered the tool results into the next prompt.
     assert all(f"<tool_response>\n{r}\n</tool_response>" in tokenizer.decode(two["prompt_token_ids"]) for r in results)
 
