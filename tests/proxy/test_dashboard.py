@@ -111,13 +111,13 @@ def test_dashboard_in_headless_chromium(vllm_replica: Any, proxy_for: ProxyFacto
             page.wait_for_selector("section.call")
             assert page.locator("section.call").count() == 2
             generated = len(first["completion_token_ids"]) + len(second["completion_token_ids"])
-            assert page.locator(".tok.gen").count() == generated
-            assert page.locator(".tok.masked").count() == glue  # the user turn between the calls, masked
+            assert page.locator("section.call .tok.gen").count() == generated
+            assert page.locator("section.call .tok.masked").count() == glue  # the user turn between the calls, masked
             assert "merge point" in page.locator(f"section[id='{second['call_id']}'] .merge").inner_text()
             assert page.locator(".badge.drop").inner_text() == "dropped: truncated"
             assert page.locator("ul.rewards .reward").inner_text() == "1"
             # Token text comes from the replica's logprobs; the tooltip has the id and the logprob.
-            tip = page.locator(".tok.gen").first.get_attribute("title") or ""
+            tip = page.locator("section.call .tok.gen").first.get_attribute("title") or ""
             assert tip.startswith(f"id {first['completion_token_ids'][0]} · logprob ")
             page.screenshot(path=str(DOCS / "dashboard-attempt.png"), full_page=True)
             page.goto(f"{proxy.url}/ui/charts")
