@@ -41,7 +41,8 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def vllm_replica(tiny_model_dir: Path) -> Iterator[Any]:
-    """A real CPU vLLM server on loopback serving the tiny model; started once (~75 s).
+    """A real CPU vLLM server on loopback serving the tiny model; started once (~75 s), with the
+    `hermes` tool parser, stored Responses (`previous_response_id`) and 1024 tokens of context.
 
     `ROLLTAP_TEST_VLLM_URL` reuses a replica you already run (same tiny model, served as
     `tiny`) to skip the start-up while iterating; CI never sets it. Tests that compare logprobs
