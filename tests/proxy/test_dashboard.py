@@ -73,6 +73,15 @@ def test_dashboard_is_closed_without_a_key(vllm_replica: Any, proxy_for: ProxyFa
             assert page.status_code == 200 and "<h1>Attempts</h1>" in page.text
         refused = httpx.post(f"{proxy.url}/ui/login", data={"token": "wrong"}, follow_redirects=False)
         assert refused.status_code == 401 and "rolltap_ui" not in refused.headers.get("set-cookie", "")
+        signed_in = httpx.post(f"{proxy.url}/ui/login", data={"token": AGENT_KEY}, follow_redirects=False)
+        assert signed_in.status_code == 303 and "HttpOnly" in signed_in.headers["set-cookie"]
+        # Recorded text is escaped: an agent's content never becomes markup in the dashboard.
+        client = openai.OpenAI(base_url=f"{proxy.url}/rollout/evil/attempt/0/v1", api_key=AGENT_KEY)
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "<script>alert(1)</script>"}],
+                                       max_tokens=2)
+        page = httpx.get(f"{proxy.url}/ui/attempt/evil/0", cookies={"rolltap_ui": AGENT_KEY})
+        assert page.status_code == 200 and "&lt;script&gt;alert(1)&lt;/script&gt;" in page.text
+        assert "<script>alert" not in page.text
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="Debian `chromium` is not installed (.ci/run installs it)")
