@@ -34,13 +34,13 @@ from proxy import metrics
 from proxy.access import AgentKey, Slots
 from proxy.admission import Admission
 from proxy.assemble import assemble_stream, extract
-from proxy.responses import ask_for_tokens as _ask_for_response_tokens
 from proxy.balancer import Balancer, ReplicaState
 from proxy.drain import Drain
 from proxy.journal import Journal
 from proxy.limits import read_body
 from proxy.policy import ActivePolicy
 from proxy.recorder import Recorder
+from proxy.responses import ask_for_tokens as _ask_for_response_tokens
 from proxy.sampling import check_sampling
 from proxy.sse import SseParser
 from proxy.stream import RelayStream
