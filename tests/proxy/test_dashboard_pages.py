@@ -23,7 +23,7 @@ N = 130  # three pages of 50
 def _pages(proxy_url: str, path: str) -> list[list[str]]:
     pages = []
     while path:
-        html = httpx.get(proxy_url + path, headers={"authorization": "Bearer t"}).text
+        html = httpx.get(proxy_url + path, headers={"authorization": "Bearer t"}, timeout=60).text
         pages.append(re.findall(r'<a href="/ui/attempt/([^"]+)">', html))
         older = re.search(r'<a class="older" href="([^"]+)"', html)
         path = unescape(older.group(1)) if older else ""
