@@ -35,7 +35,7 @@ from proxy.openapi import install_openapi
 from proxy.policy import ActivePolicy
 from proxy.recorder import Recorder
 from proxy.relay import Relay
-from proxy.routes import admin, health, lifecycle
+from proxy.routes import admin, health, lifecycle, ui
 from proxy.routes.relayed import has_dot_segment, match_relayed_post, relay_post, relayed_routes
 from proxy.tracing import load_tracing
 from proxy.upstream import Upstream
@@ -223,6 +223,7 @@ def create_app(settings: Settings) -> ProxyApp:
     app.include_router(lifecycle.router)
     app.include_router(health.router)
     app.include_router(admin.router)
+    app.include_router(ui.router)
     install_error_handlers(app)
     install_openapi(app)
     return app

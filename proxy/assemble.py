@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from proxy import responses
 from shared.types import Route
 from shared.verbatim import ExactJsonError, loads_exact
 
@@ -42,6 +43,8 @@ def assemble_stream(route: str, events: list[str]) -> Json:
     objects = [obj for obj in (_loads(e) for e in events if e != "[DONE]") if isinstance(obj, dict)]
     if route == Route.MESSAGES:
         return _assemble_messages(objects)
+    if route == Route.RESPONSES:
+        return responses.assemble_stream(objects)
     return _assemble_openai(route, objects)
 
 
@@ -163,6 +166,10 @@ def extract(route: str, response: Any) -> Extract:
             usage=response.get("usage"),
             error=response.get("error"),
         )
+    if route == Route.RESPONSES:
+        prompt, completion, logprobs, finish, usage = responses.extract_fields(response)
+        return Extract(prompt_token_ids=prompt, completion_token_ids=completion, completion_logprobs=logprobs,
+                       finish_reason=finish, usage=usage or _usage(prompt, completion), error=response.get("error"))
     choices = response.get("choices") or []
     first: Json = choices[0] if choices and isinstance(choices[0], dict) else {}
     prompt_ids = response.get("prompt_token_ids")

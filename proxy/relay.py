@@ -40,6 +40,7 @@ from proxy.journal import Journal
 from proxy.limits import read_body
 from proxy.policy import ActivePolicy
 from proxy.recorder import Recorder
+from proxy.responses import ask_for_tokens as _ask_for_response_tokens
 from proxy.sampling import check_sampling
 from proxy.sse import SseParser
 from proxy.stream import RelayStream
@@ -335,6 +336,9 @@ class Relay:
     def _ask_for_tokens(route: str, body: dict[str, Any]) -> None:
         # vLLM returns exact prompt and completion token IDs on request; logprobs make
         # off-policy correction possible. A client's own logprob settings are kept.
+        if route == Route.RESPONSES:
+            _ask_for_response_tokens(body)
+            return
         body["return_token_ids"] = True
         if route == Route.CHAT and not body.get("logprobs"):
             body["logprobs"] = True

@@ -15,13 +15,18 @@ from shared.types import CallStatus
 __all__ = ["RelayStream", "is_terminal"]
 
 
-def is_terminal(chunk: bytes) -> bool:
-    """Does this chunk end the event stream (OpenAI's `[DONE]`, Anthropic's `message_stop`)?
+_RESPONSES_END = (b'"type":"response.completed"', b'"type":"response.incomplete"', b'"type":"response.failed"')
 
-    Both markers are safe from false positives: inside a JSON string, generated text has
+
+def is_terminal(chunk: bytes) -> bool:
+    """Does this chunk end the event stream (OpenAI's `[DONE]`, Anthropic's `message_stop`, the
+    Responses API's final `response.completed`/`incomplete`/`failed` event)?
+
+    The markers are safe from false positives: inside a JSON string, generated text has
     its quotes escaped, and `[DONE]` only counts as a whole final data line.
     """
-    return chunk.rstrip().endswith(b"data: [DONE]") or b'{"type":"message_stop"' in chunk
+    return (chunk.rstrip().endswith(b"data: [DONE]") or b'{"type":"message_stop"' in chunk
+            or (b'"type":"response.' in chunk and any(marker in chunk for marker in _RESPONSES_END)))
 
 
 class RelayStream(Response):

@@ -52,6 +52,7 @@ class Route(StrEnum):
     CHAT = "chat/completions"
     COMPLETIONS = "completions"
     MESSAGES = "messages"
+    RESPONSES = "responses"
 
 
 @dataclass(slots=True)

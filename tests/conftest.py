@@ -41,7 +41,8 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def vllm_replica(tiny_model_dir: Path) -> Iterator[Any]:
-    """A real CPU vLLM server on loopback serving the tiny model; started once (~75 s).
+    """A real CPU vLLM server on loopback serving the tiny model; started once (~75 s), with the
+    `hermes` tool parser, stored Responses (`previous_response_id`) and 1024 tokens of context.
 
     `ROLLTAP_TEST_VLLM_URL` reuses a replica you already run (same tiny model, served as
     `tiny`) to skip the start-up while iterating; CI never sets it. Tests that compare logprobs
@@ -55,7 +56,10 @@ def vllm_replica(tiny_model_dir: Path) -> Iterator[Any]:
         yield SimpleNamespace(url=external.rstrip("/"), served_model_name="tiny")
         return
 
-    with VllmReplica(tiny_model_dir, served_model_name="tiny") as replica:
+    # The hermes tool parser is on by default; stored Responses make `previous_response_id` work;
+    # 1024 tokens of context (the tiny model's most) leave room for tool-calling turns: a tool
+    # list alone is ~300 tokens.
+    with VllmReplica(tiny_model_dir, served_model_name="tiny", responses_store=True, max_model_len=1024) as replica:
         replica.wait_healthy(600)
         yield replica
 

@@ -73,6 +73,8 @@ class VllmReplica:
         max_model_len: int = 512,
         dtype: str = "float32",
         log_path: Path | None = None,
+        tool_parser: str | None = "hermes",
+        responses_store: bool = False,
     ) -> None:
         self.model = Path(model)
         self.served_model_name = served_model_name or self.model.name
@@ -83,6 +85,13 @@ class VllmReplica:
         self.dev_mode = dev_mode
         self.max_model_len = max_model_len
         self.dtype = dtype
+        # Tool calls parsed out of the generated text, as agents expect them (`tool_calls`,
+        # Responses `function_call` items). `hermes` reads `<tool_call>` JSON blocks: the
+        # convention of the Qwen2 family, and of the tiny model's chat template.
+        self.tool_parser = tool_parser
+        # Keep Responses in the server's memory so `previous_response_id` works (it grows
+        # without bound: for tests and demos, not long runs).
+        self.responses_store = responses_store
         # port 0: bind an ephemeral port now and hold it until start(), so replicas
         # constructed together get distinct ports. The window between our close and
         # vLLM's bind is a small, accepted race.
@@ -108,6 +117,8 @@ class VllmReplica:
             # what the trainer recomputes and its importance weights compare against.
             "--logprobs-mode", "processed_logprobs",
         ]  # fmt: skip
+        if self.tool_parser:
+            cmd += ["--enable-auto-tool-choice", "--tool-call-parser", self.tool_parser]
         if self.enable_lora:
             cmd += ["--enable-lora", "--max-loras", "3", "--max-lora-rank", "8"]
         # Last, so callers can override any flag above (argparse keeps the last value).
@@ -122,6 +133,8 @@ class VllmReplica:
             env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"  # /v1/load_lora_adapter
         if self.dev_mode:
             env["VLLM_SERVER_DEV_MODE"] = "1"  # /pause, /resume, /collective_rpc, ...
+        if self.responses_store:
+            env["VLLM_ENABLE_RESPONSES_API_STORE"] = "1"
         env.update(self.extra_env)
         return env
 
@@ -252,6 +265,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dev-mode", action="store_true")
     p.add_argument("--max-model-len", type=int, default=512)
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--tool-parser", default="hermes", help="vLLM --tool-call-parser; '' for none")
+    p.add_argument("--responses-store", action="store_true", help="keep Responses for previous_response_id")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to become healthy")
     p.add_argument("extra", nargs=argparse.REMAINDER, help="-- then extra vLLM arguments")
     args = p.parse_args(argv)
@@ -264,6 +279,8 @@ def main(argv: list[str] | None = None) -> int:
         dev_mode=args.dev_mode,
         max_model_len=args.max_model_len,
         dtype=args.dtype,
+        tool_parser=args.tool_parser or None,
+        responses_store=args.responses_store,
     )
     signal.signal(signal.SIGINT, _raise_stop)
     signal.signal(signal.SIGTERM, _raise_stop)

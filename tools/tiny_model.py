@@ -22,13 +22,17 @@ if TYPE_CHECKING:  # heavy imports stay lazy: `import tools.tiny_model` must be 
     from transformers import PreTrainedTokenizerFast
 
 # Bump when the recipe changes so stale directories are rebuilt, not reused.
-RECIPE_VERSION = 3
+RECIPE_VERSION = 4
 MARKER_FILE = "rolltap_tiny_model.json"
 
 ENDOFTEXT = "<|endoftext|>"
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 SPECIAL_TOKENS = [ENDOFTEXT, IM_START, IM_END]
+# Hermes-style tool-call markers: plain added tokens (not special, so replicas keep them in the
+# text their tool parser reads), one ID each, as vLLM's `hermes` parser requires.
+TOOL_CALL_START = "<tool_call>"
+TOOL_CALL_END = "</tool_call>"
 VOCAB_SIZE = 400
 # Copied from transformers' Qwen2Tokenizer (see build_tokenizer for why it must match).
 QWEN2_PRETOKENIZE_REGEX = (
@@ -36,11 +40,41 @@ QWEN2_PRETOKENIZE_REGEX = (
     r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 )
 
+# ChatML, plus tools in the Hermes convention (what `--tool-call-parser hermes` reads back):
+# the tool list goes into the system turn as JSON, an assistant's calls are `<tool_call>` blocks
+# of `{"name", "arguments"}`, and tool results come back in a `tool` turn. Without tools every
+# turn renders exactly as plain ChatML.
 CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    "{%- set ns = namespace(skip_first=false) -%}"
+    "{%- if tools -%}"
+    "{{ '<|im_start|>system\n' }}"
+    "{%- if messages and messages[0]['role'] == 'system' -%}"
+    "{{ messages[0]['content'] + '\n\n' }}{%- set ns.skip_first = true -%}"
+    "{%- endif -%}"
+    "{{ 'Tools you may call:\n<tools>\n' }}"
+    "{%- for tool in tools -%}{{ (tool['function'] if tool['function'] is defined else tool) | tojson }}"
+    "{{ '\n' }}{%- endfor -%}"
+    "{{ '</tools>\nTo call one, answer <tool_call>\n{\"name\": NAME, \"arguments\": {...}}\n"
+    "</tool_call><|im_end|>\n' }}"
+    "{%- endif -%}"
+    "{%- for message in messages -%}"
+    "{%- if not (loop.first and ns.skip_first) -%}"
+    "{{ '<|im_start|>' + message['role'] + '\n' }}"
+    "{%- if message['role'] == 'tool' -%}"
+    "{{ '<tool_response>\n' + (message['content'] or '') + '\n</tool_response>' }}"
+    "{%- else -%}{{ message['content'] or '' }}{%- endif -%}"
+    "{%- if message['role'] == 'assistant' and message['tool_calls'] is defined and message['tool_calls'] -%}"
+    "{%- for call in message['tool_calls'] -%}"
+    "{%- set fn = call['function'] if call['function'] is defined else call -%}"
+    "{{ '<tool_call>\n{\"name\": \"' + fn['name'] + '\", \"arguments\": ' }}"
+    "{%- if fn['arguments'] is string -%}{{ fn['arguments'] }}{%- else -%}{{ fn['arguments'] | tojson }}{%- endif -%}"
+    "{{ '}\n</tool_call>' }}"
+    "{%- endfor -%}"
+    "{%- endif -%}"
+    "{{ '<|im_end|>\n' }}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\n' }}{%- endif -%}"
 )
 
 # Sentence parts for the synthetic corpus; "|" separates entries.
@@ -134,6 +168,7 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
         model_max_length=1024,
         clean_up_tokenization_spaces=False,
     )
+    fast.add_tokens([TOOL_CALL_START, TOOL_CALL_END])
     fast.chat_template = CHAT_TEMPLATE
     return fast
 

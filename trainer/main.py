@@ -74,7 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     stats = sub.add_parser("stats", help="attempts, consumption, drop reasons, rewards, policy versions")
     stats.add_argument("--json", action="store_true", help="machine-readable output")
     stats.add_argument("--plot", type=Path, metavar="DIR",
-                       help="also write the reward and entropy curves per training step to DIR/training.png")
+                       help="also write charts to DIR: reward and entropy per training step (training.png), "
+                       "drop reasons (drops.png), staleness of consumed attempts (staleness.png)")
     return parser
 
 
@@ -144,9 +145,10 @@ def main(argv: list[str] | None = None) -> int:
             with engine.connect() as conn:
                 report = collect_stats(conn, settings.trainer)
                 if args.plot is not None:
-                    from trainer.plot import plot_steps, step_metrics
+                    from trainer.plot import plot_data_charts, plot_steps, step_metrics
 
                     report["plot"] = str(plot_steps(step_metrics(conn), args.plot))
+                    report["plots"] = [report["plot"], *(str(p) for p in plot_data_charts(conn, args.plot))]
             sys.stdout.write(json.dumps(report, indent=2) + "\n" if args.json else render_stats(report))
     finally:
         engine.dispose()

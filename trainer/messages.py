@@ -1,7 +1,7 @@
 """Chat messages and reply text out of recorded request/response JSON, for every recorded route.
 
-This module owns the knowledge of the three wire formats the proxy records
-(`chat/completions`, `completions`, Anthropic `messages`): which field holds the
+This module owns the knowledge of the four wire formats the proxy records
+(`chat/completions`, `completions`, Anthropic `messages`, OpenAI `responses`): which field holds the
 conversation, which holds the reply. The SFT export and re-tokenisation use it. It
 never touches token IDs that the replica returned: those are always preferred.
 """
@@ -25,6 +25,7 @@ __all__ = [
 CHAT = Route.CHAT.value
 COMPLETIONS = Route.COMPLETIONS.value
 MESSAGES = Route.MESSAGES.value
+RESPONSES = Route.RESPONSES.value
 
 
 def flatten_content(content: Any) -> str:
@@ -82,6 +83,50 @@ def _tool_call(block: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _response_call(item: dict[str, Any]) -> dict[str, Any]:
+    return {"id": item.get("call_id"), "type": "function",
+            "function": {"name": item.get("name"), "arguments": item.get("arguments") or "{}"}}
+
+
+def _responses_to_openai(request: dict[str, Any]) -> list[dict[str, Any]]:
+    # Responses input is a list of items: messages (text parts), the model's earlier function
+    # calls and their outputs. Chat's shape has calls on the assistant message, results as `tool`.
+    out: list[dict[str, Any]] = []
+    if isinstance(request.get("instructions"), str) and request["instructions"]:
+        out.append({"role": "system", "content": request["instructions"]})
+    items = request.get("input")
+    if isinstance(items, str):
+        return [*out, {"role": "user", "content": items}]
+    for item in items if isinstance(items, list) else ():
+        if not isinstance(item, dict):
+            continue
+        kind = item.get("type", "message")
+        if kind == "function_call":
+            last = out[-1] if out else None
+            if last is None or last["role"] != "assistant" or "tool_calls" not in last:
+                last = {"role": "assistant", "content": "", "tool_calls": []}
+                out.append(last)
+            last["tool_calls"].append(_response_call(item))
+        elif kind == "function_call_output":
+            out.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": flatten_content(item.get("output"))})
+        elif kind == "message" and isinstance(item.get("role"), str):
+            out.append({"role": item["role"], "content": flatten_content(item.get("content"))})
+    return out
+
+
+def _responses_reply(response: dict[str, Any]) -> dict[str, Any] | None:
+    output = response.get("output")
+    if not isinstance(output, list):
+        return None
+    text = "".join(flatten_content(i.get("content")) for i in output
+                   if isinstance(i, dict) and i.get("type") == "message")
+    calls = [_response_call(i) for i in output if isinstance(i, dict) and i.get("type") == "function_call"]
+    out: dict[str, Any] = {"role": "assistant", "content": text}
+    if calls:
+        out["tool_calls"] = calls
+    return out
+
+
 def chat_messages(route: str, request: Any) -> list[dict[str, Any]] | None:
     """The conversation sent upstream, as OpenAI chat messages; None for raw-text `completions`."""
     if not isinstance(request, dict):
@@ -91,6 +136,8 @@ def chat_messages(route: str, request: Any) -> list[dict[str, Any]] | None:
         return list(messages) if isinstance(messages, list) else None
     if route == MESSAGES:
         return _anthropic_to_openai(request)
+    if route == RESPONSES:
+        return _responses_to_openai(request)
     return None
 
 
@@ -129,6 +176,8 @@ def reply_message(route: str, response: Any) -> dict[str, Any] | None:
         if tool_uses:
             out["tool_calls"] = [_tool_call(b) for b in tool_uses]
         return out
+    if route == RESPONSES:
+        return _responses_reply(response)
     return None
 
 

@@ -82,7 +82,13 @@ class Attempt(Base):
     """One try at a rollout; its calls, rewards and status. Attempts of a group are GRPO samples."""
 
     __tablename__ = "attempts"
-    __table_args__ = (UniqueConstraint("rollout_id", "attempt_id", name="uq_attempts_rollout_attempt"),)
+    __table_args__ = (
+        UniqueConstraint("rollout_id", "attempt_id", name="uq_attempts_rollout_attempt"),
+        # The dashboard's attempt list: newest first (keyset on `id`) within a status or a version, or by time.
+        Index("ix_attempts_status_id", "status", "id"),
+        Index("ix_attempts_policy_version_id", "policy_version", "id"),
+        Index("ix_attempts_created_at", "created_at"),
+    )
 
     id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
     rollout_id: Mapped[str] = mapped_column(

@@ -11,6 +11,8 @@ picks the behaviour:
   {"chunks_b64": ["...", ...]}         the same, as base64: any bytes, invalid UTF-8 included
   {"echo": true}                       answer with the last message's content as the completion,
                                        one chat chunk per character when streamed
+  {"answer": {...}}                    answer (not streamed) with exactly this JSON: a model's output in
+                                       a format the test spells out (tool calls with their token IDs)
   {"echo": true, "splits": [5, 9]}     ... and cut the stream's bytes at those offsets (a split may
                                        fall inside a multi-byte character)
 Bodies are parsed as vLLM does (lone surrogate escapes allowed) and answered with escapes where
@@ -98,6 +100,10 @@ class FaultReplica:
             return
         if fault.get("echo"):
             await self._echo(send, request, fault)
+            return
+        if "answer" in fault:
+            await self._json(send, 200, fault["answer"])
+            self.stats.completed += 1
             return
         if not request.get("stream"):
             if fault.get("delay_s"):

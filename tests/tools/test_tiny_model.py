@@ -85,3 +85,18 @@ def test_build_is_deterministic_and_cached(model_dir: Path, tmp_path: Path) -> N
     assert json.loads((other / MARKER_FILE).read_text())["seed"] == 1
     weights = (other / "model.safetensors").read_bytes()
     assert weights != (model_dir / "model.safetensors").read_bytes()
+
+
+def test_chat_template_renders_tools_in_the_hermes_convention(model_dir: Path) -> None:
+    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    call = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}}
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "c1", "content": "5"}]
+    rendered = tok.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+    assert rendered.startswith('<|im_start|>system\nTools you may call:\n<tools>\n{"name": "add", "parameters": ')
+    assert ('<|im_start|>assistant\n<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call><|im_end|>\n'
+            '<|im_start|>tool\n<tool_response>\n5\n</tool_response><|im_end|>\n<|im_start|>assistant\n') in rendered
+    # vLLM's hermes parser needs the markers as single tokens; they are not special (kept in decoded text).
+    ids = tok.encode("<tool_call></tool_call>", add_special_tokens=False)
+    assert len(ids) == 2 and tok.decode(ids, skip_special_tokens=True) == "<tool_call></tool_call>"

@@ -31,3 +31,30 @@ def test_stats_shows_the_signal_of_the_last_steps_and_plots_it(db: Db, tmp_path:
     assert main(["--db", db.url, "stats"]) == 0
     text = capsys.readouterr().out
     assert "Training signal (last 10 steps)" in text and "entropy" in text and "tis-token" in text
+
+
+def test_plot_writes_drop_reasons_and_staleness(db: Db, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from sqlalchemy import insert
+
+    from shared.db.models import CallDrop
+    from trainer.plot import drop_counts, staleness_by_step
+    from tests.trainer.conftest import tokens_call
+
+    pks = [db.attempt("r", f"a{i}", policy_version=v, calls=[tokens_call([1, 2], [3])]) for i, v in enumerate((0, 1, 2))]
+    call_ids = db.call_ids("r", "a0") + db.call_ids("r", "a1")
+    with db.engine.begin() as conn:
+        conn.execute(insert(CallDrop), [
+            {"call_id": call_ids[0], "rollout_id": "r", "attempt_id": "a0", "reason": "truncated"},
+            {"call_id": call_ids[1], "rollout_id": "r", "attempt_id": "a1", "reason": "too_stale"}])
+        record_training_step(conn, step=1, attempt_pks=pks[:2], policy_version=2, metrics={"reward_mean": 0.5})
+        record_training_step(conn, step=2, attempt_pks=pks[2:], policy_version=3, metrics={"reward_mean": 0.6})
+    with db.engine.connect() as conn:
+        assert drop_counts(conn) == {"too_stale": 1, "truncated": 1}
+        # Step 1 (version 2) consumed attempts of versions 0 and 1; step 2 (version 3) one of version 2.
+        assert staleness_by_step(conn) == [(1, 1.5, 2), (2, 1.0, 1)]
+    assert main(["--db", db.url, "stats", "--json", "--plot", str(tmp_path)]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert [Path(p).name for p in report["plots"]] == ["training.png", "drops.png", "staleness.png"]
+    for path in report["plots"]:
+        data = Path(path).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000

@@ -1,0 +1,70 @@
+"""The task the framework examples share: add two numbers with an `add` tool, scored by a program.
+
+Each example (`openai_tool_loop`, `langchain_agent`, `agents_sdk_agent`) is an ordinary agent of
+its framework: the only Rolltap-specific thing is its base URL,
+`http://PROXY/rollout/<rollout>/attempt/<attempt>/v1`. This module holds what they share: the
+task, the tool, the reward, and running a GRPO group (several attempts of one task), each
+attempt finished with its reward so the trainer can use it.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import httpx
+
+__all__ = ["ADD_TOOL", "FORCE_ADD", "Task", "add", "base_url", "finish", "run_group", "score"]
+
+# The tool in OpenAI's chat-completions shape (the SDKs that take Python functions derive the same).
+ADD_TOOL = {"type": "function", "function": {
+    "name": "add", "description": "Add two integers and return the sum.",
+    "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                   "required": ["a", "b"], "additionalProperties": False}}}
+# `tool_choice` that makes the model call `add` (the replica constrains its output to the tool's
+# arguments): the first turn of each example uses it, so even the tests' random tiny model calls the tool.
+FORCE_ADD = {"type": "function", "function": {"name": "add"}}
+
+
+@dataclass(frozen=True)
+class Task:
+    a: int
+    b: int
+
+    @property
+    def question(self) -> str:
+        return f"What is {self.a} + {self.b}? Use the add tool, then answer with just the number."
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers and return the sum."""
+    return a + b
+
+
+def score(task: Task, reply: str) -> float:
+    """1.0 when the last number in the final answer is the sum, else 0.0."""
+    numbers = re.findall(r"-?\d+", reply)
+    return 1.0 if numbers and int(numbers[-1]) == task.a + task.b else 0.0
+
+
+def base_url(proxy_url: str, rollout_id: str, attempt_id: str) -> str:
+    """The templated base URL: the one thing an agent changes to be recorded."""
+    return f"{proxy_url.rstrip('/')}/rollout/{rollout_id}/attempt/{attempt_id}/v1"
+
+
+def finish(proxy_url: str, rollout_id: str, attempt_id: str, reward: float, api_key: str) -> None:
+    """Report the reward and end the attempt (returns once its calls are durable)."""
+    response = httpx.post(f"{proxy_url.rstrip('/')}/rollout/{rollout_id}/attempt/{attempt_id}/finish",
+                          json={"status": "succeeded", "reward": reward},
+                          headers={"authorization": f"Bearer {api_key}"}, timeout=120)
+    response.raise_for_status()
+
+
+def run_group(attempt: Callable[[str, str, str, Task, str], float], proxy_url: str, rollout_id: str, task: Task,
+              *, size: int = 4, api_key: str = "none") -> list[float]:
+    """Run `size` attempts of one task concurrently (one GRPO group); their rewards, in attempt order."""
+    with ThreadPoolExecutor(max_workers=size) as pool:
+        jobs = [pool.submit(attempt, proxy_url, rollout_id, f"a{i}", task, api_key) for i in range(size)]
+        return [job.result() for job in jobs]

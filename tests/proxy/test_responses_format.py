@@ -1,0 +1,58 @@
+"""The Responses wire format as the proxy reads it: what it asks for, a stream rebuilt, token fields extracted."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+from proxy.assemble import assemble_stream, extract
+from proxy.responses import ask_for_tokens
+from proxy.stream import is_terminal
+
+
+def _final(status: str = "completed") -> dict[str, Any]:
+    return {"id": "resp_1", "object": "response", "status": status,
+            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+            "output": [{"type": "message", "role": "assistant", "content": [
+                {"type": "output_text", "text": "ab", "logprobs": [{"token": "a", "logprob": -0.5},
+                                                                    {"token": "b", "logprob": -0.25}]}]}],
+            "input_messages": [{"message": "p", "tokens": [1, 2, 3], "type": "raw_message_tokens"}],
+            "output_messages": [{"message": "ab", "tokens": [7, 8], "type": "raw_message_tokens"}]}
+
+
+def test_ask_for_tokens_keeps_the_clients_include() -> None:
+    body = {"input": "x", "include": ["reasoning.encrypted_content"]}
+    ask_for_tokens(body)
+    assert body["enable_response_messages"] is True
+    assert body["include"] == ["reasoning.encrypted_content", "message.output_text.logprobs"]
+    ask_for_tokens(body)  # idempotent
+    assert body["include"].count("message.output_text.logprobs") == 1
+
+
+def test_whole_and_streamed_responses_extract_the_same_fields() -> None:
+    whole = extract("responses", _final("incomplete"))
+    assert (whole.prompt_token_ids, whole.completion_token_ids) == ([1, 2, 3], [7, 8])
+    assert whole.completion_logprobs == [-0.5, -0.25] and whole.finish_reason == "length"
+    assert whole.usage == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    events = [{"type": "response.created", "response": {"id": "resp_1", "status": "in_progress"}},
+              {"type": "response.output_text.delta", "output_index": 0, "content_index": 0, "delta": "a"},
+              {"type": "response.completed", "response": _final()}]
+    streamed = extract("responses", assemble_stream("responses", [orjson.dumps(e).decode() for e in events]))
+    assert streamed.completion_token_ids == [7, 8] and streamed.finish_reason == "stop"
+    assert is_terminal(b"event: response.completed\ndata: " + orjson.dumps(events[-1]) + b"\n\n")
+    assert not is_terminal(b"event: response.output_text.delta\ndata: " + orjson.dumps(events[1]) + b"\n\n")
+
+
+def test_a_cut_stream_keeps_its_text_and_a_tool_call_leaves_logprobs_unknown() -> None:
+    events = [{"type": "response.created", "response": {"id": "resp_1", "status": "in_progress"}},
+              {"type": "response.output_text.delta", "output_index": 0, "content_index": 0, "delta": "a",
+               "logprobs": [{"token": "a", "logprob": -0.5}]}]
+    cut = assemble_stream("responses", [orjson.dumps(e).decode() for e in events])
+    assert cut["output"][0]["content"][0]["text"] == "a" and cut["id"] == "resp_1"
+    assert extract("responses", cut).completion_token_ids is None  # no final event: no token IDs
+    called = _final()
+    called["output"] = [{"type": "function_call", "name": "add", "arguments": "{}", "call_id": "c1"}]
+    fields = extract("responses", called)
+    assert fields.completion_token_ids == [7, 8] and fields.completion_logprobs is None
+    assert fields.finish_reason == "tool_calls"
