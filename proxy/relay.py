@@ -35,6 +35,7 @@ from proxy.access import AgentKey, Slots
 from proxy.admission import Admission
 from proxy.assemble import assemble_stream, extract
 from proxy.balancer import Balancer, ReplicaState
+from proxy.cluster import Cluster
 from proxy.drain import Drain
 from proxy.journal import Journal
 from proxy.limits import read_body
@@ -117,6 +118,7 @@ class CallState:
     has_left: bool = False  # the client disconnected before the end
     sealed: CallRecord | None = None  # the record journaled before the stream's last byte
     sealed_len: int = 0  # bytes of body the sealed record was built from
+    lease: asyncio.Future[None] | None = None  # its `call_leases` row being written (`proxy.cluster`)
 
     @property
     def key(self) -> tuple[str, str] | None:
@@ -151,6 +153,7 @@ class Relay:
         slots: Slots | None = None,
         journal: Journal | None = None,
         drain: Drain | None = None,
+        cluster: Cluster | None = None,
     ) -> None:
         self._settings = settings
         self._pool = settings.pool
@@ -167,6 +170,7 @@ class Relay:
         self._slots = slots or Slots(settings.limits.max_calls_in_flight)
         self._journal = journal
         self._drain = drain or Drain()
+        self._cluster = cluster
 
     async def handle(self, request: Request, route: str, rollout_id: str | None, attempt_id: str | None,
                      agent: AgentKey | None = None) -> Response:
@@ -175,6 +179,8 @@ class Relay:
         if self._tracing is not None:
             call.span = self._tracing.start(route, request.headers, time.time_ns())
         self._recorder.begin(call.key)
+        if self._cluster is not None and rollout_id and attempt_id:
+            call.lease = self._cluster.lease(call.call_id, rollout_id, attempt_id, route, call.started_at)
         self._drain.call_started()
         if self._journal is not None:
             self._journal.started(call.call_id, rollout_id, attempt_id, route, call.started_at, call.arrival)
@@ -422,6 +428,8 @@ class Relay:
 
     async def _seal(self, call: CallState) -> CallRecord:
         """Build the record and journal it (fsynced with `journal_fsync`): the call survives a crash now."""
+        if call.lease is not None:  # other proxies' `finish` must see the call before its client sees the end
+            await Cluster.held(call.lease)
         record = self._build(call)
         call.sealed, call.sealed_len = record, len(call.body)
         if self._journal is not None:
