@@ -195,7 +195,8 @@ def create_app(settings: Settings) -> ProxyApp:
         keys = KeyRing(settings.proxy, reader)
         policy = ActivePolicy()
         # Its own small pool: barriers and waits poll while calls are recorded.
-        cluster_db = create_async_db(settings.db, pool_size=4) if is_cluster else None
+        cluster_db = (create_async_db(settings.db, pool_size=4, json_serializer=store.dumps_json)
+                      if is_cluster else None)
         cluster = (Cluster(settings.proxy.cluster, settings.db.url, cluster_db, policy, admission, balancer)
                    if cluster_db is not None else None)
         balancer.hash_rollouts = cluster is not None  # every proxy binds a rollout to the same replica

@@ -269,7 +269,7 @@ class Cluster:
             try:
                 await self._beat()
             except Exception as exc:  # noqa: BLE001 - retried next beat
-                logger.warning("cluster: heartbeat failed (%s)", exc.__class__.__name__)
+                logger.warning("cluster: heartbeat failed (%s: %s)", exc.__class__.__name__, str(exc)[:300])
 
     async def _beat(self) -> None:
         async with self._engine.begin() as conn:
