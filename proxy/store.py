@@ -115,9 +115,9 @@ async def _ensure_attempts(conn: AsyncConnection, keys: dict[tuple[str, str], in
     await conn.run_sync(_ensure_attempts_sync, keys)
 
 
-# The columns a record fills, read straight off the record: a shallow row. (`CallRecord.to_row`
-# deep-copies every request and response through `dataclasses.asdict`, which cost more than
-# the insert itself; the record is not changed after it is queued, so no copy is needed.)
+# The columns a record fills, read straight off the record: a shallow row. (A deep copy through
+# `dataclasses.asdict` cost more than the insert itself; the record is not changed after it is
+# queued, so no copy is needed.)
 _ROW_FIELDS = tuple(f.name for f in dataclasses.fields(CallRecord) if f.name != "arrival")
 _row_values = attrgetter(*_ROW_FIELDS)
 

@@ -215,7 +215,7 @@ async def control_replica(body: ControlIn, request: Request) -> dict[str, Any]:
     replica = state.balancer.get(body.url.rstrip("/").removesuffix("/v1"))
     path = CONTROL_PATHS[body.action] + ("?" + urlencode(body.params) if body.params else "")
     payload = orjson.dumps(body.body) if body.body is not None else b""
-    upstream = await state.upstream.request("POST", replica.url, path, payload, JSON_HEADERS)
+    upstream = await state.upstream.post(replica.url, path, payload, JSON_HEADERS)
     try:
         data = await upstream.read()
     finally:
