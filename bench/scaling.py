@@ -156,10 +156,11 @@ def _run_one(workers: int, replicas: list[str], pg: _Postgres, args: argparse.Na
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLTAP_")}
-    env.update({"PYTHONPATH": str(ROOT), "ROLLTAP_PROXY__OPEN_ACCESS": "true", "ROLLTAP_PROXY__LOG_LEVEL": "warning",
+    env.update({"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])), "ROLLTAP_PROXY__OPEN_ACCESS": "true", "ROLLTAP_PROXY__LOG_LEVEL": "warning",
                 "ROLLTAP_PROXY__RECORDER__SPOOL_DIR": str(workdir / f"spool-{workers}"),
                 # Each worker's pool: workers x (writer 1 + reader 5 + cluster 4) connections in all.
                 "ROLLTAP_PROXY__POOL__POLICY": "consistent_hash"})
+    env.update(dict(kv.split("=", 1) for kv in args.proxy_env))
     cmd = [sys.executable, "-m", "proxy.main", "--db", db_url, "--port", str(port), "--workers", str(workers)]
     for replica in replicas:
         cmd += ["--replica", replica]
@@ -169,7 +170,9 @@ def _run_one(workers: int, replicas: list[str], pg: _Postgres, args: argparse.Na
         deadline = time.monotonic() + 120
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"proxy exited {proc.returncode}; see {log.name}")
+                log.flush()
+                tail = Path(log.name).read_text(errors="replace")[-3000:]
+                raise RuntimeError(f"proxy exited {proc.returncode}; {log.name}:\n{tail}")
             try:
                 if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
                     break
@@ -234,6 +237,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="load generator processes")
     parser.add_argument("--database", help="PostgreSQL server URL to create databases on (default: a private one)")
     parser.add_argument("--out", type=Path, help="write the JSON here too")
+    parser.add_argument("--proxy-env", action="append", default=[], metavar="KEY=VALUE",
+                        help="extra environment for the proxy (e.g. ROLLTAP_PROXY__CLUSTER__ENABLED=false with "
+                        "--workers 1: the single-process baseline without cluster membership)")
     args = parser.parse_args(argv)
     counts = [int(n) for n in args.workers.split(",")]
     report: dict[str, Any] = {

@@ -9,6 +9,7 @@ recorder's flush with a deadline (leftovers spooled), then the journal, then con
 from __future__ import annotations
 
 import asyncio
+import gc
 import inspect
 import logging
 from collections.abc import AsyncIterator
@@ -157,6 +158,19 @@ async def _recover_journals(journal: Journal, recorder: Recorder) -> None:
     recovery.release()
 
 
+def _quiet_gc() -> None:
+    """Keep the garbage collector's pauses off the tail of call latency.
+
+    What start-up made lives as long as the process: frozen, later collections skip it. A call
+    allocates a few hundred short-lived objects, so at the default thresholds the collector ran
+    hundreds of times a second and its older-generation passes walked the whole heap on the
+    event loop: the longest stalls calls saw (`docs/benchmarks.md`, "Tail latency").
+    """
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(50_000, 50, 1000)
+
+
 def cluster_enabled(settings: Settings) -> bool:
     """`proxy.cluster.enabled`, defaulting to on for PostgreSQL; refused on SQLite (one process only)."""
     enabled = settings.proxy.cluster.enabled
@@ -223,6 +237,7 @@ def create_app(settings: Settings) -> ProxyApp:
         if cluster is not None:
             await cluster.start()  # the shared policy and pause apply from here on
         await _persist_replicas(app)
+        _quiet_gc()
         logger.info("proxy ready: %d replica(s), policy %s v%s", len(settings.proxy.replicas),
                     policy.served_name, policy.version)
         try:
