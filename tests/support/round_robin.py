@@ -46,8 +46,9 @@ class RoundRobin:
         backend = self.backends[next(self._turn) % len(self.backends)]
         self.requests[backend] += 1
         if self._session is None:
+            # keep-alive below uvicorn's 5 s, or a request may go out on a connection the proxy is closing
             self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0), auto_decompress=False,
+                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=2.0), auto_decompress=False,
                 timeout=aiohttp.ClientTimeout(total=120))
         url = backend + scope["raw_path"].decode() + ("?" + scope["query_string"].decode()
                                                       if scope["query_string"] else "")
