@@ -37,6 +37,7 @@ from proxy.app import cluster_enabled, create_app
 from proxy.drain import Drain
 from proxy.keystore import cli as keys_cli
 from shared.db.engine import is_sqlite, redacted_url
+from shared.db.migrate import upgrade
 from shared.settings import Settings
 
 __all__ = ["DrainingServer", "main", "parse_settings"]
@@ -155,6 +156,10 @@ def _serve(settings: Settings, sock: socket.socket | None) -> None:
 def _serve_workers(settings: Settings) -> int:
     """Bind once, fork the workers (before any thread or event loop exists here), supervise them."""
     log = logging.getLogger(__name__)
+    if settings.db.migrate_on_start:
+        # Once, here: N workers migrating one database at the same moment would race.
+        upgrade(settings.db)
+        settings = settings.model_copy(update={"db": settings.db.model_copy(update={"migrate_on_start": False})})
     sock = uvicorn.Config(None, host=settings.proxy.host, port=settings.proxy.port).bind_socket()  # type: ignore[arg-type]
     workers: dict[int, int] = {}  # pid -> worker number
     stopping = False
@@ -198,8 +203,9 @@ def _serve_workers(settings: Settings) -> int:
         if n is None:
             continue
         code = os.waitstatus_to_exitcode(status)
-        worst = max(worst, abs(code))
-        if not stopping:
+        if stopping:
+            worst = max(worst, abs(code))
+        else:
             log.error("worker %d (pid %d) exited with %d; starting it again", n, pid, code)
             time.sleep(0.5)
             spawn(n)

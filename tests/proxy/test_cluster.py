@@ -244,6 +244,29 @@ def test_kill9_of_one_proxy_under_load(tmp_path: Path) -> None:
         assert check_exactly_once() == before
 
 
+def test_workers_share_one_port_each_a_member(tmp_path: Path) -> None:
+    with postgres_database() as db_url, serve_in_thread(FaultReplica()) as (replica, _):
+        proxy = ProxyProcess(tmp_path, db_url, [replica], free_port(), **CLUSTER_ENV, ROLLTAP_PROXY__WORKERS="2")
+        try:
+            proxy.start()
+            deadline = time.monotonic() + 30
+            while len(_rows(db_url, "SELECT proxy_id FROM proxies")) < 2:
+                assert time.monotonic() < deadline, proxy.log_tail()
+                time.sleep(0.1)
+            pids = {str(r[0]).split("-")[-2] for r in _rows(db_url, "SELECT proxy_id FROM proxies")}
+            assert len(pids) == 2  # two processes
+            with httpx.Client(timeout=30) as http:
+                for k in range(8):
+                    http.post(f"{proxy.url}/rollout/w{k}/attempt/a/v1/chat/completions",
+                              json={"model": "m", "messages": [{"role": "user", "content": "x"}]}).raise_for_status()
+            proxy.sigterm()
+            assert proxy.wait(60) == 0, proxy.log_tail()
+            assert _rows(db_url, "SELECT count(*) FROM calls") == [(8,)]
+            assert _rows(db_url, "SELECT count(*) FROM proxies") == [(0,)]  # both left the registry
+        finally:
+            proxy.stop()
+
+
 def test_several_workers_on_sqlite_are_refused(tmp_path: Path) -> None:
     run = subprocess.run([sys.executable, "-m", "proxy.main", "--db", f"sqlite:///{tmp_path / 'r.db'}",
                           "--replica", "http://127.0.0.1:9", "--workers", "2"],
