@@ -9,6 +9,10 @@ streamed and not, chat completions of 16 tokens:
   httptools; ``bench.instant_replica --impl asgi``), pinned like a proxy: no upstream hop, no
   recording, no routing. It is the most any server on the contract's stack (an ASGI app under
   uvicorn) can do here, so it bounds every "× direct" a uvicorn-served proxy can reach;
+* ``bare``     -- wrk -> the least a Python relay can do: a Starlette route under uvicorn forwarding
+  the bytes through one ``aiohttp.ClientSession`` (the proxy's client), no parsing, no recording
+  (``bench.upstream_client serve --client aiohttp``). Rolltap's CPU per call over this one's is
+  its overhead target (<= 1.25x non-streamed, <= 1.1x streamed, recording included);
 * ``sqlite``   -- wrk -> ``rolltap-proxy`` (the real CLI, a subprocess) recording to SQLite;
 * ``postgres`` -- the same, recording to PostgreSQL (a fresh database, dropped afterwards);
 * ``litellm``  -- wrk -> LiteLLM's proxy server (``litellm --config cfg.yaml``, one worker),
@@ -77,10 +81,11 @@ from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 MODEL = "tiny"
-ALL_TARGETS = ("direct", "floor", "sqlite", "postgres", "litellm", "agl")
+ALL_TARGETS = ("direct", "floor", "bare", "sqlite", "postgres", "litellm", "agl")
 LABELS = {
     "direct": "direct",
     "floor": "uvicorn floor (no proxying)",
+    "bare": "bare forward (aiohttp, no parsing, no recording)",
     "sqlite": "Rolltap, SQLite",
     "postgres": "Rolltap, PostgreSQL",
     "litellm": "LiteLLM proxy",
@@ -247,8 +252,10 @@ def start_rolltap(kind: str, replica: str, db_url: str, work: Path, cpu: int | N
     spool = work / f"spool-{kind}"
     log_path = work / f"rolltap-{kind}.log"
     env = _base_env() | {"ROLLTAP_PROXY__RECORDER__SPOOL_DIR": str(spool), "ROLLTAP_PROXY__AGENT_KEY": AGENT_KEY}
-    exe = str(Path(sys.executable).parent / "rolltap-proxy")
-    cmd = [exe, "--replica", replica, "--db", db_url, "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
+    script = Path(sys.executable).parent / "rolltap-proxy"
+    # The console script when installed; else the module (wheels unpacked beside the checkout).
+    exe = [str(script)] if script.exists() else [sys.executable, "-m", "proxy.main"]
+    cmd = [*exe, "--replica", replica, "--db", db_url, "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
     proc = _spawn(cmd, env=env, cwd=work, log_path=log_path, cpu=cpu)
     _wait_ready(base, "/readyz", proc, 60.0, log_path)
 
@@ -768,6 +775,14 @@ def main(argv: list[str] | None = None) -> int:
                                                               cpus=None if pin_cpu is None else {pin_cpu})
                 servers.append(Server("floor", floor_url, lambda rid: None, "/v1/chat/completions", None,
                                       stop_floor, cpu_pid=_replica_pid("asgi")))
+            elif t == "bare":
+                from bench.upstream_client import start_forwarder
+
+                fwd = start_forwarder("aiohttp", replica_url, 1024)
+                if pin_cpu is not None:
+                    os.sched_setaffinity(fwd.proc.pid, {pin_cpu})
+                servers.append(Server("bare", fwd.url, lambda rid: None, "/v1/chat/completions", fwd.proc,
+                                      fwd.stop))
             elif t == "sqlite":
                 servers.append(start_rolltap("sqlite", replica_url, f"sqlite:///{work / 'rolltap.db'}", work, pin_cpu))
             elif t == "postgres":

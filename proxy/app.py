@@ -9,6 +9,7 @@ recorder's flush with a deadline (leftovers spooled), then the journal, then con
 from __future__ import annotations
 
 import asyncio
+import gc
 import inspect
 import logging
 from collections.abc import AsyncIterator
@@ -25,6 +26,7 @@ from proxy import store
 from proxy.access import KeyRing, Slots
 from proxy.admission import Admission
 from proxy.balancer import Balancer
+from proxy.cluster import Cluster
 from proxy.drain import Drain
 from proxy.errors import error_response, install_error_handlers
 from proxy.hosted import load_hosted
@@ -156,8 +158,32 @@ async def _recover_journals(journal: Journal, recorder: Recorder) -> None:
     recovery.release()
 
 
+def _quiet_gc() -> None:
+    """Keep the garbage collector's pauses off the tail of call latency.
+
+    What start-up made lives as long as the process: frozen, later collections skip it. A call
+    allocates a few hundred short-lived objects, so at the default thresholds the collector ran
+    hundreds of times a second and its older-generation passes walked the whole heap on the
+    event loop: the longest stalls calls saw (`docs/benchmarks.md`, "Tail latency").
+    """
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(50_000, 50, 1000)
+
+
+def cluster_enabled(settings: Settings) -> bool:
+    """`proxy.cluster.enabled`, defaulting to on for PostgreSQL; refused on SQLite (one process only)."""
+    enabled = settings.proxy.cluster.enabled
+    if enabled is None:
+        return not is_sqlite(settings.db.url)
+    if enabled and is_sqlite(settings.db.url):
+        raise ValueError("proxy.cluster needs PostgreSQL: a SQLite database serves one proxy process")
+    return enabled
+
+
 def create_app(settings: Settings) -> ProxyApp:
     drain = Drain()
+    is_cluster = cluster_enabled(settings)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -176,12 +202,19 @@ def create_app(settings: Settings) -> ProxyApp:
         tracing = load_tracing(settings.proxy.tracing)
         journal = _journal(settings)
         recorder = Recorder(settings.proxy.recorder, writer, writer_sync,
-                            on_durable=journal.durable if journal is not None else None)
+                            on_durable=journal.durable if journal is not None else None, release_leases=is_cluster)
         if journal is not None:
             await _recover_journals(journal, recorder)
             journal.open()
         keys = KeyRing(settings.proxy, reader)
         policy = ActivePolicy()
+        # Its own small pool: barriers and waits poll while calls are recorded.
+        cluster_db = (create_async_db(settings.db, pool_size=4, json_serializer=store.dumps_json)
+                      if is_cluster else None)
+        cluster = (Cluster(settings.proxy.cluster, settings.db.url, cluster_db, policy, admission, balancer)
+                   if cluster_db is not None else None)
+        balancer.hash_rollouts = cluster is not None  # every proxy binds a rollout to the same replica
+        app.state.cluster = cluster
         app.state.settings = settings
         app.state.reader = reader
         app.state.recorder = recorder
@@ -192,7 +225,8 @@ def create_app(settings: Settings) -> ProxyApp:
         app.state.upstream = upstream
         app.state.relay = Relay(settings.proxy, upstream, balancer, policy, recorder, admission, hosted,
                                 on_policy_unknown=lambda: _resolve_policy(app), tracing=tracing,
-                                slots=Slots(settings.proxy.limits.max_calls_in_flight), journal=journal, drain=drain)
+                                slots=Slots(settings.proxy.limits.max_calls_in_flight), journal=journal, drain=drain,
+                                cluster=cluster)
         await recorder.start()
         if settings.proxy.agent_key is not None:
             await _ensure_agent_key(app, settings.proxy.agent_key.get_secret_value())
@@ -200,7 +234,10 @@ def create_app(settings: Settings) -> ProxyApp:
         await balancer.start()
         await balancer.wait_first_probe(timeout_s=10.0)
         await _resolve_policy(app)
+        if cluster is not None:
+            await cluster.start()  # the shared policy and pause apply from here on
         await _persist_replicas(app)
+        _quiet_gc()
         logger.info("proxy ready: %d replica(s), policy %s v%s", len(settings.proxy.replicas),
                     policy.served_name, policy.version)
         try:
@@ -209,10 +246,13 @@ def create_app(settings: Settings) -> ProxyApp:
             await keys.stop()
             await balancer.stop()
             await recorder.stop(settings.proxy.shutdown_timeout_s)
+            if cluster is not None:
+                await cluster.stop()  # after the flush: the registry row outlives this proxy's leases
             if journal is not None:
                 journal.close()
             await upstream.close()
-            await asyncio.gather(writer.dispose(), reader.dispose())
+            await asyncio.gather(writer.dispose(), reader.dispose(),
+                                 *([cluster_db.dispose()] if cluster_db is not None else []))
             if tracing is not None:
                 await anyio.to_thread.run_sync(tracing.shutdown)  # flushes the spans still queued
             logger.info("proxy stopped; %d records written", recorder.written_total)

@@ -12,7 +12,11 @@ Policies (`proxy.pool.policy`):
   so multi-turn prefixes hit one prefix cache.
 - `least_outstanding`: per call, the least-loaded replica.
 - `round_robin`: per call, in turn.
-- `consistent_hash`: rollout id on a hash ring (64 virtual nodes per replica).
+- `consistent_hash`: rollout id on a hash ring (256 virtual nodes per replica: with 2 to 8
+  replicas the busiest gets at most ~1.2x the rollouts of the least busy).
+With several proxies on one database (`proxy.cluster`), `sticky_least_loaded` binds rollouts
+by the hash ring too: a rule every proxy computes alike from the rollout id and the healthy
+replicas, where "fewest rollouts bound" would differ from proxy to proxy.
 Per-call load = the calls this proxy has in flight there; ties go to the replica whose own
 `/metrics` show fewer running + waiting requests and less KV-cache use (they also count
 other proxies' calls, but lag by vLLM's stats interval), then to fewer bound rollouts.
@@ -42,7 +46,7 @@ logger = logging.getLogger(__name__)
 _METRIC_LINE = re.compile(
     rb"^vllm:(num_requests_running|num_requests_waiting|kv_cache_usage_perc)\{[^}]*\} ([0-9.eE+-]+)$", re.M
 )
-_VNODES = 64
+_VNODES = 256
 
 
 @dataclass(slots=True, eq=False)
@@ -97,6 +101,7 @@ class Balancer:
         self._ring: list[tuple[int, str]] = []
         self._task: asyncio.Task[None] | None = None
         self._first_probe = asyncio.Event()
+        self.hash_rollouts = False  # set by the app in a cluster: see the module docstring
         for url in urls:
             self._replicas[url] = ReplicaState(url, weight_mode=settings.weight_mode)
         self._rebuild_ring()
@@ -131,10 +136,11 @@ class Balancer:
         if not candidates:
             raise UpstreamUnavailable("no healthy replica", code="no_healthy_replica", retry_after_s=1.0)
         policy = self._settings.policy
+        if rollout_id is not None and (policy == "consistent_hash" or (
+                self.hash_rollouts and policy == "sticky_least_loaded")):
+            return self._hash_pick(rollout_id, candidates)
         if rollout_id is not None and policy == "sticky_least_loaded":
             return self._sticky_pick(rollout_id, attempt_id, candidates)
-        if rollout_id is not None and policy == "consistent_hash":
-            return self._hash_pick(rollout_id, candidates)
         if policy == "round_robin":
             return candidates[next(self._turn) % len(candidates)]
         return self._least_loaded(candidates)

@@ -12,24 +12,38 @@ from __future__ import annotations
 import logging
 import re
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import orjson
 from starlette.responses import Response
 
+from proxy.call import CallState
 from shared.errors import InvalidRequest, NotFound, RolltapError, UpstreamTimeout, UpstreamUnavailable
 from shared.types import CallStatus, Route
 
-if TYPE_CHECKING:
-    from proxy.relay import CallState, Relay
-
-__all__ = ["HostedModels", "load_hosted"]
+__all__ = ["HostedModels", "Relay", "load_hosted"]
 
 logger = logging.getLogger(__name__)
 
 _MODEL_FIELD = re.compile(rb'"model"\s*:\s*"((?:[^"\\]|\\.)*)"')
+
+
+class Relay(Protocol):
+    """What a hosted call uses of `proxy.relay.Relay` (which imports this module, not the reverse)."""
+
+    def parse(self, call: CallState, raw: bytes, *, rewrite: bool) -> dict[str, Any]: ...
+
+    def trace_headers(self, call: CallState) -> dict[str, str]: ...
+
+    def keep(self, call: CallState, body: bytes) -> None: ...
+
+    async def record(self, call: CallState) -> None: ...
+
+    def stream_response(self, call: CallState, chunks: AsyncIterator[bytes], content_type: str, *,
+                        close: Callable[[], None], on_source_error: Callable[[BaseException], dict[str, object]],
+                        finish: Callable[[bytes, bool], Awaitable[None]]) -> Response: ...
 
 
 def load_hosted(config_path: Path | None) -> HostedModels | None:

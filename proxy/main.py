@@ -1,6 +1,6 @@
 """`rolltap-proxy`: command line, logging, migrations, then uvicorn.
 
-    rolltap-proxy --replica URL [--replica URL ...] --db URL --host H --port P
+    rolltap-proxy --replica URL [--replica URL ...] --db URL --host H --port P [--workers N]
     rolltap-proxy keys create|list|revoke ...      (agent keys; see `proxy.keystore`)
     rolltap-proxy spool list|replay [--spool-dir D] [--db URL]   (see proxy/spool_cli.py)
 
@@ -13,23 +13,31 @@ may end within `proxy.shutdown_timeout_s`, and the listener stays open meanwhile
 reward, finish and GET attempt still answer (until `proxy.drain_grace_s` passed without
 any call); then uvicorn stops and the recorder flushes.
 A second signal stops at once (calls still in flight end as `interrupted`).
+
+`--workers N` (N > 1, PostgreSQL only) forks N proxy processes that accept on one listening
+socket; each is a full member of the cluster (`proxy.cluster`). The parent only passes
+signals on and starts a worker again if one dies.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
+import socket
 import sys
+import time
 from types import FrameType
 from typing import Any
 
 import uvicorn
 
-from proxy.app import create_app
+from proxy.app import cluster_enabled, create_app
 from proxy.drain import Drain
 from proxy.keystore import cli as keys_cli
-from shared.db.engine import redacted_url
+from shared.db.engine import is_sqlite, redacted_url
+from shared.db.migrate import upgrade
 from shared.settings import Settings
 
 __all__ = ["DrainingServer", "main", "parse_settings"]
@@ -45,9 +53,11 @@ def parse_settings(argv: list[str] | None = None) -> Settings:
     parser.add_argument("--model", help="served model to rewrite to before a policy is set; env ROLLTAP_PROXY__MODEL")
     parser.add_argument("--admin-token", help="bearer token for /admin; env ROLLTAP_PROXY__ADMIN_TOKEN")
     parser.add_argument("--log-level", help="logging level; env ROLLTAP_PROXY__LOG_LEVEL (default info)")
+    parser.add_argument("--workers", type=int, help="proxy processes on the one port (more than 1 needs "
+                        "PostgreSQL); env ROLLTAP_PROXY__WORKERS (default 1)")
     args = parser.parse_args(argv)
     proxy: dict[str, Any] = {}
-    for name in ("replicas", "host", "port", "model", "admin_token", "log_level"):
+    for name in ("replicas", "host", "port", "model", "admin_token", "log_level", "workers"):
         value = getattr(args, name)
         if value is not None:
             proxy[name] = value
@@ -110,6 +120,18 @@ def main(argv: list[str] | None = None) -> None:
     # Secrets stay out of the log: SecretStr fields dump as "**********", the database password is masked.
     shown = settings.model_copy(update={"db": settings.db.model_copy(update={"url": redacted_url(settings.db.url)})})
     logging.getLogger(__name__).info("settings: %s", shown.model_dump_json())
+    if settings.proxy.workers > 1:
+        if is_sqlite(settings.db.url):
+            raise SystemExit("rolltap-proxy: --workers > 1 needs PostgreSQL (--db postgresql://...): a SQLite "
+                             "database takes one proxy process; run one worker, or point the proxies at PostgreSQL")
+        if not cluster_enabled(settings):
+            raise SystemExit("rolltap-proxy: --workers > 1 needs proxy.cluster.enabled (the workers share state "
+                             "through the database)")
+        raise SystemExit(_serve_workers(settings))
+    _serve(settings, None)
+
+
+def _serve(settings: Settings, sock: socket.socket | None) -> None:
     app = create_app(settings)
     config = uvicorn.Config(
         app,
@@ -127,7 +149,68 @@ def main(argv: list[str] | None = None) -> None:
         h11_max_incomplete_event_size=settings.proxy.limits.max_header_bytes,
     )
     signal.signal(signal.SIGTERM, _exit_cleanly)  # restored by uvicorn after its shutdown, then re-raised
-    DrainingServer(config, app.state.drain, settings.proxy.shutdown_timeout_s, settings.proxy.drain_grace_s).run()
+    server = DrainingServer(config, app.state.drain, settings.proxy.shutdown_timeout_s, settings.proxy.drain_grace_s)
+    server.run(sockets=[sock] if sock is not None else None)
+
+
+def _serve_workers(settings: Settings) -> int:
+    """Bind once, fork the workers (before any thread or event loop exists here), supervise them."""
+    log = logging.getLogger(__name__)
+    if settings.db.migrate_on_start:
+        # Once, here: N workers migrating one database at the same moment would race.
+        upgrade(settings.db)
+        settings = settings.model_copy(update={"db": settings.db.model_copy(update={"migrate_on_start": False})})
+    sock = uvicorn.Config(None, host=settings.proxy.host, port=settings.proxy.port).bind_socket()  # type: ignore[arg-type]
+    workers: dict[int, int] = {}  # pid -> worker number
+    stopping = False
+
+    def spawn(n: int) -> None:
+        pid = os.fork()
+        if pid == 0:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            try:
+                _serve(settings, sock)
+            except SystemExit as exc:
+                os._exit(exc.code if isinstance(exc.code, int) else 1)
+            except BaseException:  # noqa: BLE001 - reported, then the worker exits non-zero
+                log.exception("worker %d failed", n)
+                os._exit(1)
+            os._exit(0)
+        workers[pid] = n
+
+    def forward(signum: int, frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+        for pid in list(workers):
+            try:
+                os.kill(pid, signum)
+            except ProcessLookupError:
+                pass
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    for n in range(settings.proxy.workers):
+        spawn(n)
+    log.info("rolltap-proxy: %d workers on %s:%d", settings.proxy.workers, settings.proxy.host, settings.proxy.port)
+    worst = 0
+    while workers:
+        try:
+            pid, status = os.wait()
+        except ChildProcessError:
+            break
+        n = workers.pop(pid, None)
+        if n is None:
+            continue
+        code = os.waitstatus_to_exitcode(status)
+        if stopping:
+            worst = max(worst, abs(code))
+        else:
+            log.error("worker %d (pid %d) exited with %d; starting it again", n, pid, code)
+            time.sleep(0.5)
+            spawn(n)
+    sock.close()
+    return worst  # the loop ends only once stopping: a worker that failed its shutdown shows here
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from proxy import metrics
 from proxy.outage import is_outage
-from proxy.store import add_undurable_sync, write_calls, write_calls_sync
+from proxy.store import add_undurable_sync, release_leases_sync, write_calls, write_calls_sync
 from shared.errors import DatabaseUnavailable
 from shared.settings import RecorderSettings
 from shared.types import CallRecord
@@ -112,12 +112,13 @@ DEAD_REASON = "_dead_reason"  # on each line of a dead-letter file: why the data
 
 class Recorder:
     def __init__(self, settings: RecorderSettings, engine: AsyncEngine, sync_engine: Engine | None = None,
-                 on_durable: Callable[[list[CallRecord]], None] | None = None) -> None:
+                 on_durable: Callable[[list[CallRecord]], None] | None = None, *, release_leases: bool = False) -> None:
         """`sync_engine`: write record batches through it, in a thread of their own (SQLite).
 
         `on_durable(records)`: told when records are committed or spooled (the journal lets go of them).
         """
         self._on_durable = on_durable
+        self._release_leases = release_leases  # `proxy.cluster`: a record's commit ends its call's lease
         self._settings = settings
         self._engine = engine
         self._sync_engine = sync_engine
@@ -324,7 +325,7 @@ class Recorder:
             await asyncio.get_running_loop().run_in_executor(self._thread, self._write_sync, records, skip_existing)
             return
         async with self._engine.begin() as conn:
-            await write_calls(conn, records, skip_existing=skip_existing)
+            await write_calls(conn, records, skip_existing=skip_existing, release_leases=self._release_leases)
 
     def _write_sync(self, records: list[CallRecord], skip_existing: bool) -> None:
         assert self._sync_engine is not None
@@ -368,6 +369,8 @@ class Recorder:
             else:
                 async with self._engine.begin() as conn:
                     await conn.run_sync(add_undurable_sync, [record], reason)
+                    if self._release_leases:  # noted as undurable: `finish` reports it instead of waiting
+                        await conn.run_sync(release_leases_sync, [record.call_id])
         except Exception:  # noqa: BLE001 - the dead-letter file is kept; /readyz counts it
             logger.exception("recorder: could not note undurable call %s in the database", record.call_id)
 

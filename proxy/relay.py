@@ -16,13 +16,10 @@ is dropped and the call recorded `client_disconnected`.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
-import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
@@ -35,6 +32,8 @@ from proxy.access import AgentKey, Slots
 from proxy.admission import Admission
 from proxy.assemble import assemble_stream, extract
 from proxy.balancer import Balancer, ReplicaState
+from proxy.call import CallState
+from proxy.cluster import Cluster
 from proxy.drain import Drain
 from proxy.journal import Journal
 from proxy.limits import read_body
@@ -51,28 +50,12 @@ from shared.types import CallRecord, CallStatus, Route
 from shared.verbatim import MAX_DEPTH, ExactJsonError, depth_of, dumps_exact, loads_exact
 
 if TYPE_CHECKING:
-    from opentelemetry.trace import Span
-
     from proxy.hosted import HostedModels
     from proxy.tracing import Tracing
 
-__all__ = ["CallState", "Relay"]
+__all__ = ["Relay"]
 
 logger = logging.getLogger(__name__)
-
-_arrivals = itertools.count()
-# Call ids: 64 random bits per process, then a counter: unique across proxies sharing a
-# database, the same 37 characters as a "call-" + uuid4 hex, and no entropy syscall per call.
-_CALL_PREFIX = "call-" + os.urandom(8).hex()
-_call_numbers = itertools.count()
-
-
-def _new_call_prefix() -> None:
-    global _CALL_PREFIX
-    _CALL_PREFIX = "call-" + os.urandom(8).hex()  # a forked worker must not repeat its parent's ids
-
-
-os.register_at_fork(after_in_child=_new_call_prefix)
 
 _RETRY_STATUSES = (429, 503)
 _children: dict[tuple[object, ...], Any] = {}
@@ -85,56 +68,6 @@ def _metric(metric: Any, *labels: str) -> Any:
     if child is None:
         child = _children[key] = metric.labels(*labels)
     return child
-
-
-@dataclass(slots=True)
-class CallState:
-    """What is known about one call while it runs; becomes its `CallRecord`."""
-
-    route: str
-    rollout_id: str | None
-    attempt_id: str | None
-    call_id: str = field(default_factory=lambda: f"{_CALL_PREFIX}{next(_call_numbers):016x}")
-    started_at: datetime = field(default_factory=lambda: datetime.now(UTC))
-    t0: float = field(default_factory=time.perf_counter)
-    arrival: int = field(default_factory=lambda: next(_arrivals))
-    is_streaming: bool = False
-    request: Any = None
-    requested_model: str | None = None
-    served_model: str | None = None
-    policy_version: int | None = None
-    replica: str | None = None
-    t_first_byte: float | None = None
-    upstream_s: float = 0.0  # time spent waiting on the replica, excluded from the proxy's overhead
-    status: str = CallStatus.OK
-    http_status: int | None = None
-    error: dict[str, Any] | None = None
-    body: bytes = b""
-    truncated: bool = False
-    request_body: bytes | None = None  # exactly what the client sent
-    span: Span | None = None  # its trace span, when tracing is on
-    agent: AgentKey | None = None  # the caller's key (None with open access)
-    has_slot: bool = False  # counted in `Slots` until recorded
-    has_left: bool = False  # the client disconnected before the end
-    sealed: CallRecord | None = None  # the record journaled before the stream's last byte
-    sealed_len: int = 0  # bytes of body the sealed record was built from
-
-    @property
-    def key(self) -> tuple[str, str] | None:
-        return (self.rollout_id, self.attempt_id) if self.rollout_id and self.attempt_id else None
-
-    def fail(self, status: str, error: RolltapError | dict[str, Any], http_status: int | None = None) -> None:
-        self.status = status
-        self.error = error.body()["error"] if isinstance(error, RolltapError) else error
-        if http_status is not None:
-            self.http_status = http_status
-
-    def headers(self) -> dict[str, str]:
-        overhead_ms = (time.perf_counter() - self.t0 - self.upstream_s) * 1000
-        headers = {"x-rolltap-call-id": self.call_id, "x-rolltap-overhead-ms": f"{overhead_ms:.3f}"}
-        if self.policy_version is not None:
-            headers["x-rolltap-policy-version"] = str(self.policy_version)
-        return headers
 
 
 class Relay:
@@ -152,6 +85,7 @@ class Relay:
         slots: Slots | None = None,
         journal: Journal | None = None,
         drain: Drain | None = None,
+        cluster: Cluster | None = None,
     ) -> None:
         self._settings = settings
         self._pool = settings.pool
@@ -168,6 +102,7 @@ class Relay:
         self._slots = slots or Slots(settings.limits.max_calls_in_flight)
         self._journal = journal
         self._drain = drain or Drain()
+        self._cluster = cluster
 
     async def handle(self, request: Request, route: str, rollout_id: str | None, attempt_id: str | None,
                      agent: AgentKey | None = None) -> Response:
@@ -176,6 +111,8 @@ class Relay:
         if self._tracing is not None:
             call.span = self._tracing.start(route, request.headers, time.time_ns())
         self._recorder.begin(call.key)
+        if self._cluster is not None and rollout_id and attempt_id:
+            call.lease = self._cluster.lease(call.call_id, rollout_id, attempt_id, route, call.started_at)
         self._drain.call_started()
         if self._journal is not None:
             self._journal.started(call.call_id, rollout_id, attempt_id, route, call.started_at, call.arrival)
@@ -426,6 +363,8 @@ class Relay:
 
     async def _seal(self, call: CallState) -> CallRecord:
         """Build the record and journal it (fsynced with `journal_fsync`): the call survives a crash now."""
+        if call.lease is not None:  # other proxies' `finish` must see the call before its client sees the end
+            await Cluster.held(call.lease)
         record = self._build(call)
         call.sealed, call.sealed_len = record, len(call.body)
         if self._journal is not None:

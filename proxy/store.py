@@ -11,16 +11,27 @@ import base64
 import dataclasses
 import json
 from collections import defaultdict
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from operator import attrgetter
 from typing import Any
 
 import orjson
-from sqlalchemy import Connection, Insert, Integer, bindparam, delete, func, select, update
+from sqlalchemy import Connection, Insert, Integer, bindparam, delete, func, select, text, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from shared.db.models import Attempt, Call, PolicyVersion, Replica, Reward, Rollout, UndurableCall
+from shared.db.models import (
+    Attempt,
+    Call,
+    CallLease,
+    ClusterState,
+    PolicyVersion,
+    Proxy,
+    Replica,
+    Reward,
+    Rollout,
+    UndurableCall,
+)
 from shared.errors import Conflict, NotFound
 from shared.types import CallRecord, CallStatus
 from shared.verbatim import db_safe, db_safe_text, dumps_exact, overlay_exact
@@ -42,6 +53,18 @@ __all__ = [
     "upsert_replica",
     "write_calls",
     "write_calls_sync",
+    # the cluster (`proxy.cluster`): PostgreSQL only
+    "add_leases",
+    "ack_epoch",
+    "bump_epoch",
+    "claim_dead_proxies",
+    "count_leases",
+    "deregister_proxy",
+    "heartbeat",
+    "lagging_proxies",
+    "read_cluster_state",
+    "register_proxy",
+    "release_leases_sync",
 ]
 
 
@@ -92,9 +115,9 @@ async def _ensure_attempts(conn: AsyncConnection, keys: dict[tuple[str, str], in
     await conn.run_sync(_ensure_attempts_sync, keys)
 
 
-# The columns a record fills, read straight off the record: a shallow row. (`CallRecord.to_row`
-# deep-copies every request and response through `dataclasses.asdict`, which cost more than
-# the insert itself; the record is not changed after it is queued, so no copy is needed.)
+# The columns a record fills, read straight off the record: a shallow row. (A deep copy through
+# `dataclasses.asdict` cost more than the insert itself; the record is not changed after it is
+# queued, so no copy is needed.)
 _ROW_FIELDS = tuple(f.name for f in dataclasses.fields(CallRecord) if f.name != "arrival")
 _row_values = attrgetter(*_ROW_FIELDS)
 
@@ -144,13 +167,16 @@ def _take_seq(conn: Connection, key: tuple[str, str], n: int) -> int | None:
     return total
 
 
-def write_calls_sync(conn: Connection, records: list[CallRecord], *, skip_existing: bool = False) -> int:
+def write_calls_sync(conn: Connection, records: list[CallRecord], *, skip_existing: bool = False,
+                     release_leases: bool = False) -> int:
     """Insert a batch of call records; returns how many were inserted.
 
     Sequence numbers are taken from `attempts.num_calls` with one UPDATE ... RETURNING
     per attempt, which row-locks the attempt on PostgreSQL, so several proxies sharing a
     database never hand out the same number. Within a batch, calls are numbered in the
     order they started. `skip_existing` makes a replay of spooled batches idempotent.
+    `release_leases` deletes the calls' leases (`proxy.cluster`) in the same transaction, so
+    another proxy sees a call either in flight or recorded, never neither.
     An attempt's rollout and attempt rows are created only when the UPDATE finds no row
     (its first batch): attempts are visited in key order either way, so two writers on one
     PostgreSQL database take their row locks in the same order.
@@ -158,6 +184,8 @@ def write_calls_sync(conn: Connection, records: list[CallRecord], *, skip_existi
     Synchronous so that SQLite's writer can run a whole batch in its own thread with one
     hop (`Recorder`); `write_calls` runs it on an async connection (PostgreSQL).
     """
+    if release_leases and records:
+        release_leases_sync(conn, [r.call_id for r in records])
     if skip_existing and records:
         existing = set(
             conn.execute(select(Call.call_id).where(Call.call_id.in_([r.call_id for r in records]))).scalars()
@@ -189,9 +217,11 @@ def write_calls_sync(conn: Connection, records: list[CallRecord], *, skip_existi
     return len(rows)
 
 
-async def write_calls(conn: AsyncConnection, records: list[CallRecord], *, skip_existing: bool = False) -> int:
+async def write_calls(conn: AsyncConnection, records: list[CallRecord], *, skip_existing: bool = False,
+                      release_leases: bool = False) -> int:
     """`write_calls_sync` on an async connection."""
-    inserted: int = await conn.run_sync(write_calls_sync, records, skip_existing=skip_existing)
+    inserted: int = await conn.run_sync(write_calls_sync, records, skip_existing=skip_existing,
+                                        release_leases=release_leases)
     return inserted
 
 
@@ -409,3 +439,93 @@ async def save_base_policy(conn: AsyncConnection, served_name: str) -> None:
         .values(version=0, served_name=served_name, base_model=served_name, kind="base", is_active=True)
         .on_conflict_do_nothing(index_elements=["version"])
     )
+
+
+# -- the cluster: several proxies on one PostgreSQL database (`proxy.cluster`) --------------
+
+def _expired(lease_s: float) -> Any:
+    """Heartbeats older than this are dead proxies' (the database's clock: no skew between hosts)."""
+    return func.now() - timedelta(seconds=lease_s)
+
+
+async def register_proxy(conn: AsyncConnection, proxy_id: str, host: str, pid: int) -> None:
+    await conn.execute(_insert(conn, Proxy).values(proxy_id=proxy_id, host=host[:256], pid=pid))
+
+
+async def deregister_proxy(conn: AsyncConnection, proxy_id: str) -> None:
+    await conn.execute(delete(Proxy).where(Proxy.proxy_id == proxy_id))
+
+
+async def heartbeat(conn: AsyncConnection, proxy_id: str, in_flight: int) -> bool:
+    """Refresh this proxy's row; False when it is gone (another proxy took it for dead)."""
+    result = await conn.execute(
+        update(Proxy).where(Proxy.proxy_id == proxy_id).values(heartbeat_at=func.now(), in_flight=in_flight)
+    )
+    return bool(result.rowcount)
+
+
+async def read_cluster_state(conn: AsyncConnection) -> tuple[int, bool]:
+    row = (await conn.execute(select(ClusterState.epoch, ClusterState.paused).where(ClusterState.id == 1))).one()
+    return int(row[0]), bool(row[1])
+
+
+async def bump_epoch(conn: AsyncConnection, channel: str, paused: bool | None = None) -> int:
+    """Move the shared state to a new epoch (setting `paused` when given) and tell every listener on commit."""
+    values: dict[str, Any] = {"epoch": ClusterState.epoch + 1}
+    if paused is not None:
+        values["paused"] = paused
+    epoch = int((await conn.execute(
+        update(ClusterState).where(ClusterState.id == 1).values(**values).returning(ClusterState.epoch)
+    )).scalar_one())
+    await conn.execute(select(func.pg_notify(channel, str(epoch))))
+    return epoch
+
+
+async def ack_epoch(conn: AsyncConnection, proxy_id: str, *, seen: int | None = None,
+                    drained: int | None = None) -> None:
+    values: dict[str, Any] = {}
+    if seen is not None:
+        values["seen_epoch"] = func.greatest(Proxy.seen_epoch, seen)
+    if drained is not None:
+        values["drained_epoch"] = func.greatest(Proxy.drained_epoch, drained)
+    await conn.execute(update(Proxy).where(Proxy.proxy_id == proxy_id).values(**values))
+
+
+async def lagging_proxies(conn: AsyncConnection, epoch: int, lease_s: float, *, drained: bool) -> list[str]:
+    """Live proxies that have not yet applied (or, with `drained`, drained for) `epoch`."""
+    column = Proxy.drained_epoch if drained else Proxy.seen_epoch
+    rows = await conn.execute(
+        select(Proxy.proxy_id).where(Proxy.heartbeat_at > _expired(lease_s), column < epoch)
+    )
+    return [str(r[0]) for r in rows]
+
+
+async def add_leases(conn: AsyncConnection, rows: list[dict[str, Any]]) -> None:
+    # No wait for the WAL flush: a lease matters only while PostgreSQL runs (after a database
+    # crash, what it guarded is settled by journals and the reaper), and a flush per batch of
+    # leases would put a disk sync into every call's latency.
+    await conn.execute(text("SET LOCAL synchronous_commit TO OFF"))
+    await conn.execute(_insert(conn, CallLease), rows)
+
+
+def release_leases_sync(conn: Connection, call_ids: list[str]) -> None:
+    conn.execute(delete(CallLease).where(CallLease.call_id.in_(call_ids)))
+
+
+async def count_leases(conn: AsyncConnection, rollout_id: str, attempt_id: str) -> int:
+    return int((await conn.execute(
+        select(func.count()).select_from(CallLease)
+        .where(CallLease.rollout_id == rollout_id, CallLease.attempt_id == attempt_id)
+    )).scalar_one())
+
+
+async def claim_dead_proxies(conn: AsyncConnection, lease_s: float) -> list[dict[str, Any]]:
+    """Remove the rows of proxies silent for `lease_s` and take their leases (call it in a
+    transaction: one claimer wins; the others find nothing). Returns the leases."""
+    await conn.execute(delete(Proxy).where(Proxy.heartbeat_at <= _expired(lease_s)))
+    # Leases of any proxy without a row: the ones just removed, and any left by an earlier claimer's crash.
+    orphans = (await conn.execute(
+        select(CallLease.__table__).where(CallLease.proxy_id.not_in(select(Proxy.proxy_id)))
+        .with_for_update(skip_locked=True)
+    )).mappings().all()
+    return [dict(r) for r in orphans]

@@ -76,10 +76,6 @@ class Upstream:
             async with self.session.get(replica + path, timeout=timeout) as resp:
                 return resp.status, await resp.read(), resp.headers.get("content-type", "application/json")
 
-    async def request(self, method: str, replica: str, path: str, body: bytes, headers: Mapping[str, str]) -> aiohttp.ClientResponse:
-        async with upstream_errors(replica):
-            return await self.session.request(method, replica + path, data=body or None, headers=headers)
-
     async def close(self) -> None:
         if self._session is not None:
             await self._session.close()

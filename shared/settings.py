@@ -27,7 +27,7 @@ from pydantic_settings import (
 )
 
 __all__ = [
-    "DbSettings", "LimitSettings", "PoolSettings", "ProxySettings", "RecorderSettings", "SamplingSettings", "Settings",
+    "ClusterSettings", "DbSettings", "LimitSettings", "PoolSettings", "ProxySettings", "RecorderSettings", "SamplingSettings", "Settings",
     "TrainerSettings",
 ]
 
@@ -187,6 +187,27 @@ class TracingSettings(BaseModel):
     export_timeout_s: float = Field(default=5.0, gt=0, description="Longest one export to the collector may take.")
 
 
+class ClusterSettings(BaseModel):
+    """Several proxies (processes or hosts) on one PostgreSQL database acting as one (`proxy.cluster`)."""
+
+    enabled: bool | None = Field(
+        default=None,
+        description="Share the active policy, the admission pause, `finish` barriers and crash leases with "
+        "every proxy on the database. Default: on for PostgreSQL; SQLite serves one process only.",
+    )
+    heartbeat_s: float = Field(
+        default=1.0, gt=0, description="Pause between heartbeats (and re-reads of the shared state)."
+    )
+    lease_s: float = Field(
+        default=5.0, gt=0,
+        description="A proxy silent this long is dead: it is no longer waited for, and its calls in flight are "
+        "recorded `interrupted` by a live proxy.",
+    )
+    propagate_timeout_s: float = Field(
+        default=10.0, gt=0, description="How long a policy change waits for every live proxy to apply it."
+    )
+
+
 class LimitSettings(BaseModel):
     """What one caller may send and hold; each limit exceeded is an OpenAI-shaped error."""
 
@@ -276,6 +297,7 @@ class ProxySettings(BaseModel):
     )
     recorder: RecorderSettings = Field(default_factory=RecorderSettings)
     pool: PoolSettings = Field(default_factory=PoolSettings)
+    cluster: ClusterSettings = Field(default_factory=ClusterSettings)
     tracing: TracingSettings = Field(default_factory=TracingSettings)
     sampling: SamplingSettings = Field(default_factory=SamplingSettings)
     litellm_config: Path | None = Field(
@@ -284,6 +306,9 @@ class ProxySettings(BaseModel):
         "OpenAI-compatible server) served through LiteLLM's Router when a call names them.",
     )
     log_level: str = Field(default="info", description="Python logging level name.")
+    workers: int = Field(
+        default=1, ge=1, description="Proxy processes sharing the port (`--workers`); more than one needs PostgreSQL."
+    )
 
     @field_validator("replicas", mode="before")
     @classmethod

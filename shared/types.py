@@ -16,7 +16,6 @@ from typing import Any
 
 __all__ = [
     "ID_PATTERN",
-    "AttemptStatus",
     "CallRecord",
     "CallStatus",
     "Route",
@@ -39,13 +38,6 @@ class CallStatus(StrEnum):
     INVALID_REQUEST = "invalid_request"  # rejected by the proxy before reaching a replica
     # The proxy died (kill -9, crash) while the call was in flight: written from its journal on restart.
     INTERRUPTED = "interrupted"
-
-
-class AttemptStatus(StrEnum):
-    RUNNING = "running"
-    SUCCEEDED = "succeeded"
-    FAILED = "failed"
-    CANCELLED = "cancelled"
 
 
 class Route(StrEnum):
@@ -93,11 +85,6 @@ class CallRecord:
         if self.rollout_id is None or self.attempt_id is None:
             return None
         return (self.rollout_id, self.attempt_id)
-
-    def to_row(self) -> dict[str, Any]:
-        row = asdict(self)
-        del row["arrival"]
-        return row
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)

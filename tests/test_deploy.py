@@ -26,6 +26,8 @@ LAYOUTS = {
     "one GPU": ([], {"postgres", "volume-owner", "vllm-0", "vllm-1", "proxy", "trainer"}),
     "several GPUs": (["-f", "docker-compose.yml", "-f", "docker-compose.gpus.yml"],
                      {"postgres", "volume-owner", "vllm-0", "vllm-1", "proxy", "trainer"}),
+    "scaled proxies": (["-f", "docker-compose.yml", "-f", "docker-compose.scaled.yml"],
+                       {"postgres", "volume-owner", "vllm-0", "vllm-1", "proxy", "proxy-2", "nginx", "trainer"}),
     "cpu": (["--profile", "cpu"], {"postgres", "tiny-model", "volume-owner-cpu", "vllm-cpu-0", "vllm-cpu-1",
                                    "proxy-cpu", "trainer-cpu", "agent"}),
 }
@@ -55,6 +57,19 @@ def _config(args: list[str], env_file: Path = EXAMPLE_ENV) -> dict[str, Any]:
 def test_each_layout_is_valid_and_starts_its_services(layout: str) -> None:
     args, services = LAYOUTS[layout]
     assert set(_config(args)["services"]) == services
+
+
+def test_scaled_layout_puts_nginx_in_front_of_two_proxies() -> None:
+    services = _config(LAYOUTS["scaled proxies"][0])["services"]
+    assert [p["published"] for p in services["nginx"]["ports"]] == ["8000"]
+    for name in ("proxy", "proxy-2"):
+        assert not services[name].get("ports"), f"{name} is reached through nginx only"
+        assert services[name]["environment"]["ROLLTAP_DB__URL"].startswith("postgresql://")
+        assert services[name]["command"][0] == "--workers"
+    assert services["proxy-2"]["environment"]["ROLLTAP_DB__MIGRATE_ON_START"] == "false"
+    assert services["trainer"]["environment"]["ROLLTAP_TRAINER__PROXY_URL"] == "http://nginx:8000"
+    conf = (ROOT / "deploy" / "nginx" / "nginx.conf").read_text()
+    assert "server proxy:8000" in conf and "server proxy-2:8000" in conf and "proxy_buffering off" in conf
 
 
 @pytest.mark.parametrize("secret", SECRETS)

@@ -160,15 +160,30 @@ async def put_policy(body: PolicyIn, request: Request) -> dict[str, Any]:
     async def op(conn: AsyncConnection) -> None:
         await store.set_active_policy(conn, body.version, body.served_name, body.kind, body.base_model, body.path)
 
-    await request.app.state.recorder.run(op, 30.0)
-    request.app.state.policy.set(body.version, body.served_name)
+    state = request.app.state
+    if state.cluster is not None:
+        # Every live proxy applies it before this returns: a call that starts afterwards, wherever
+        # it lands, is stamped with this version.
+        epoch = await state.cluster.publish(op=op)
+        lagging = await state.cluster.wait_applied(epoch, state.settings.proxy.cluster.propagate_timeout_s,
+                                                   drained=False)
+        if lagging:
+            raise ServiceUnavailable(f"policy {body.version} is active, but proxies {', '.join(lagging)} have not "
+                                     "applied it yet", code="policy_not_propagated", retry_after_s=1.0)
+    else:
+        await state.recorder.run(op, 30.0)
+        state.policy.set(body.version, body.served_name)
     return {"object": "rolltap.policy", "version": body.version, "served_name": body.served_name}
 
 
 @router.post("/pause")
 async def pause(body: PauseIn, request: Request) -> dict[str, Any]:
-    """Stop admitting new calls; with `wait`, return once the calls in flight have ended."""
+    """Stop admitting new calls; with `wait`, return once the calls in flight have ended (on every
+    live proxy sharing the database)."""
     state = request.app.state
+    if state.cluster is not None:  # every live proxy pauses; with `wait`, until all have drained
+        await state.cluster.pause(body.wait, body.timeout_s)
+        return {"object": "rolltap.admission", "paused": True, "in_flight": state.balancer.in_flight}
     state.admission.pause()
     if body.wait:
         deadline = time.monotonic() + body.timeout_s
@@ -182,7 +197,10 @@ async def pause(body: PauseIn, request: Request) -> dict[str, Any]:
 
 @router.post("/resume")
 async def resume(request: Request) -> dict[str, Any]:
-    request.app.state.admission.resume()
+    if request.app.state.cluster is not None:
+        await request.app.state.cluster.resume()
+    else:
+        request.app.state.admission.resume()
     return {"object": "rolltap.admission", "paused": False, "in_flight": request.app.state.balancer.in_flight}
 
 
@@ -197,7 +215,7 @@ async def control_replica(body: ControlIn, request: Request) -> dict[str, Any]:
     replica = state.balancer.get(body.url.rstrip("/").removesuffix("/v1"))
     path = CONTROL_PATHS[body.action] + ("?" + urlencode(body.params) if body.params else "")
     payload = orjson.dumps(body.body) if body.body is not None else b""
-    upstream = await state.upstream.request("POST", replica.url, path, payload, JSON_HEADERS)
+    upstream = await state.upstream.post(replica.url, path, payload, JSON_HEADERS)
     try:
         data = await upstream.read()
     finally:

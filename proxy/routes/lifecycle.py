@@ -7,6 +7,7 @@ proxy runs with `proxy.open_access`.
 from __future__ import annotations
 
 import math
+import time
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Request
@@ -77,8 +78,14 @@ def _collaborators(request: Request) -> tuple[Recorder, ProxySettings]:
     return request.app.state.recorder, request.app.state.settings.proxy
 
 
-async def _barrier(recorder: Recorder, key: tuple[str, str], timeout_s: float) -> None:
-    if not await recorder.wait_durable(key, timeout_s):
+async def _barrier(request: Request, key: tuple[str, str], timeout_s: float) -> None:
+    """This proxy's calls of the attempt committed, then (`proxy.cluster`) every other proxy's."""
+    state = request.app.state
+    deadline = time.monotonic() + timeout_s
+    is_durable = await state.recorder.wait_durable(key, timeout_s)
+    if is_durable and state.cluster is not None:
+        is_durable = await state.cluster.wait_released(key, max(0.0, deadline - time.monotonic()))
+    if not is_durable:
         raise DatabaseUnavailable(
             f"calls of attempt {key[0]}/{key[1]} are not yet durable after {timeout_s:g} s "
             "(still in flight, or the database is unreachable); retry",
@@ -104,7 +111,7 @@ async def register_rollout(body: RolloutIn, request: Request) -> dict[str, Any]:
 async def post_reward(key: AttemptKey, body: RewardIn, request: Request) -> dict[str, Any]:
     recorder, settings = _collaborators(request)
     if body.call_id is not None:
-        await _barrier(recorder, key, settings.finish_timeout_s)  # the call must be readable to be named
+        await _barrier(request, key, settings.finish_timeout_s)  # the call must be readable to be named
 
     async def op(conn: AsyncConnection) -> int:
         return await store.add_reward(conn, *key, body.value, body.name, body.call_id)
@@ -116,9 +123,10 @@ async def post_reward(key: AttemptKey, body: RewardIn, request: Request) -> dict
 
 @router.post("/rollout/{rollout_id}/attempt/{attempt_id}/finish")
 async def finish(key: AttemptKey, body: FinishIn, request: Request) -> dict[str, Any]:
-    """Returns only once every call of the attempt that reached this proxy is committed."""
+    """Returns only once every call of the attempt that reached this proxy (or, in a cluster, any
+    proxy) is committed."""
     recorder, settings = _collaborators(request)
-    await _barrier(recorder, key, settings.finish_timeout_s)
+    await _barrier(request, key, settings.finish_timeout_s)
 
     async def op(conn: AsyncConnection) -> tuple[list[dict[str, Any]], int]:
         await store.finish_attempt(conn, *key, body.status, body.reward)
@@ -142,7 +150,7 @@ async def finish(key: AttemptKey, body: FinishIn, request: Request) -> dict[str,
 async def get_attempt(key: AttemptKey, request: Request) -> Response:
     recorder, settings = _collaborators(request)
     # Calls that already answered should be visible even before `finish`.
-    await _barrier(recorder, key, settings.finish_timeout_s)
+    await _barrier(request, key, settings.finish_timeout_s)
     try:
         async with request.app.state.reader.connect() as conn:
             attempt = await store.read_attempt(conn, *key)

@@ -11,13 +11,12 @@ from typing import Any
 
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import URL, make_url
-from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker, create_async_engine
-from sqlalchemy.ext.asyncio import AsyncSession as AsyncSession
+from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from sqlalchemy.pool import NullPool
 
 from shared.settings import DbSettings
 
-__all__ = ["async_url", "create_async_db", "create_sync_db", "is_sqlite", "redacted_url", "session_factory", "sync_url"]
+__all__ = ["async_url", "create_async_db", "create_sync_db", "is_sqlite", "redacted_url", "sync_url"]
 
 _ASYNC_DRIVERS = {"sqlite": "sqlite+aiosqlite", "postgresql": "postgresql+asyncpg"}
 _SYNC_DRIVERS = {"sqlite": "sqlite", "postgresql": "postgresql+psycopg"}
@@ -101,7 +100,3 @@ def create_sync_db(
     if url.get_backend_name() == "sqlite":
         event.listen(engine, "connect", _sqlite_pragmas(settings))
     return engine
-
-
-def session_factory(engine: AsyncEngine) -> async_sessionmaker[AsyncSession]:
-    return async_sessionmaker(engine, expire_on_commit=False)

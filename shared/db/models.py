@@ -40,9 +40,12 @@ __all__ = [
     "Base",
     "Call",
     "CallDrop",
+    "CallLease",
+    "ClusterState",
     "Export",
     "ExportAttempt",
     "PolicyVersion",
+    "Proxy",
     "Replica",
     "Reward",
     "Rollout",
@@ -303,3 +306,46 @@ class AgentKey(Base):
     max_concurrency: Mapped[int | None] = mapped_column(Integer)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=_now())
     revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+
+class Proxy(Base):
+    """A live proxy process: its heartbeat, and the last shared state epoch it applied and drained for."""
+
+    __tablename__ = "proxies"
+
+    proxy_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    host: Mapped[str] = mapped_column(String(256), nullable=False)
+    pid: Mapped[int] = mapped_column(Integer, nullable=False)
+    started_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=_now())
+    heartbeat_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=_now())
+    in_flight: Mapped[int] = mapped_column(Integer, nullable=False, server_default="0")
+    seen_epoch: Mapped[int] = mapped_column(BigInteger, nullable=False, server_default="0")
+    drained_epoch: Mapped[int] = mapped_column(BigInteger, nullable=False, server_default="0")
+
+
+class CallLease(Base):
+    """A tracked call in flight on some proxy; deleted in the transaction that commits its record."""
+
+    __tablename__ = "call_leases"
+    __table_args__ = (
+        Index("ix_call_leases_attempt", "rollout_id", "attempt_id"),
+        Index("ix_call_leases_proxy", "proxy_id"),
+    )
+
+    call_id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    proxy_id: Mapped[str] = mapped_column(String(64), nullable=False)
+    rollout_id: Mapped[str] = mapped_column(String(ID_LEN), nullable=False)
+    attempt_id: Mapped[str] = mapped_column(String(ID_LEN), nullable=False)
+    route: Mapped[str] = mapped_column(String(64), nullable=False)
+    started_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False)
+
+
+class ClusterState(Base):
+    """The one row of state every proxy on the database shares: the admission pause, and an
+    epoch bumped on every change (pause, resume, policy) that proxies acknowledge."""
+
+    __tablename__ = "cluster_state"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    epoch: Mapped[int] = mapped_column(BigInteger, nullable=False, server_default="0")
+    paused: Mapped[bool] = mapped_column(Boolean, nullable=False, server_default=false())

@@ -47,9 +47,15 @@ def test_sticky_keeps_rollouts_on_one_replica_and_spreads_them(proxy_for: ProxyF
             for _ in range(3):
                 assert http.post(f"{proxy.base_url(f'r{r}', 'a')}/chat/completions", json=CHAT).status_code == 200
         placement = {r: set(_replicas_of(http, proxy.url, f"r{r}")) for r in range(10)}
+        is_cluster = proxy.app.state.cluster is not None
     assert all(len(used) == 1 for used in placement.values())
     counts = Counter(next(iter(used)) for used in placement.values())
-    assert sorted(counts.values()) == [5, 5]
+    if is_cluster:
+        # On PostgreSQL every proxy binds rollouts by a hash ring (the same on all of them):
+        # even over many rollouts (tests/proxy/test_cluster.py), not exactly over ten.
+        assert len(counts) == 2 and min(counts.values()) >= 2
+    else:
+        assert sorted(counts.values()) == [5, 5]
 
 
 @pytest.mark.parametrize("policy", ["least_outstanding", "round_robin"])

@@ -1,0 +1,308 @@
+"""Several proxies on one PostgreSQL database acting as one: shared state, registry, leases.
+
+Every proxy process (a `--workers` process, or one on another host) is a member:
+
+- Shared state, with the database as the source of truth: the active policy
+  (`policy_versions`) and the admission pause (`cluster_state`, with an epoch bumped on
+  every change). A change commits a new epoch and `pg_notify`s it; each member LISTENs,
+  re-reads the state and acknowledges the epoch in its `proxies` row (its heartbeat).
+  The heartbeat re-reads the state too, so a member whose listener dropped catches up
+  within `heartbeat_s`, and a member that (re)connects starts from the current state.
+- The registry: `proxies` rows with heartbeats. A pause waits until every live member
+  has drained for its epoch, a policy change until every live member applied it; a member
+  silent for `lease_s` is dead and not waited for.
+- Call leases: a tracked call holds a `call_leases` row from its start until the
+  transaction that commits its record deletes it, so `finish` on any member can wait for
+  calls in flight on the others. Leases are inserted in batches by one task, off the
+  call's path: the call waits for its lease only before its end reaches the client.
+- The reaper: each member's heartbeat claims the rows of dead members and turns their
+  leases into `interrupted` records, in one transaction (written idempotently by call id,
+  so the dead member's own journal recovery, if it ever runs, adds nothing twice).
+
+asyncpg is used directly only here, for LISTEN; everything else goes through
+`proxy.store`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime
+from typing import Any
+
+import asyncpg
+from sqlalchemy.engine import make_url
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+
+from proxy import store
+from proxy.admission import Admission
+from proxy.balancer import Balancer
+from proxy.policy import ActivePolicy
+from shared.errors import ServiceUnavailable
+from shared.settings import ClusterSettings
+from shared.types import CallRecord, CallStatus
+
+__all__ = ["CHANNEL", "Cluster"]
+
+logger = logging.getLogger(__name__)
+
+CHANNEL = "rolltap_cluster"
+_LEASE_WAIT_S = 2.0  # longest a call's end waits for its lease row (the database is slow or gone)
+
+
+def _listen_dsn(url: str) -> str:
+    return make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
+
+
+class Cluster:
+    """This process's membership. `start()` after the recorder and balancer, `stop()` before them."""
+
+    def __init__(self, settings: ClusterSettings, db_url: str, engine: AsyncEngine, policy: ActivePolicy,
+                 admission: Admission, balancer: Balancer) -> None:
+        self._settings = settings
+        self._dsn = _listen_dsn(db_url)
+        self._engine = engine
+        self._policy = policy
+        self._admission = admission
+        self._balancer = balancer
+        self.proxy_id = f"{socket.gethostname()[:40]}-{os.getpid()}-{os.urandom(4).hex()}"
+        self.epoch = -1  # the shared state epoch applied here
+        self._sync_lock = asyncio.Lock()
+        self._kick = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._listener: Any = None
+        self._drain_task: asyncio.Task[None] | None = None
+        self._lease_rows: list[dict[str, Any]] = []
+        self._lease_waiters: list[asyncio.Future[None]] = []
+        self._lease_kick = asyncio.Event()
+        self._leases_ok = True  # False while lease writes fail: calls are not held up for them
+        self.reaped_total = 0
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        async with self._engine.begin() as conn:
+            await store.register_proxy(conn, self.proxy_id, socket.gethostname(), os.getpid())
+        await self.sync()
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._listen_loop(), name="rolltap-cluster-listen"),
+                       loop.create_task(self._sync_loop(), name="rolltap-cluster-sync"),
+                       loop.create_task(self._heartbeat_loop(), name="rolltap-cluster-heartbeat"),
+                       loop.create_task(self._lease_loop(), name="rolltap-cluster-leases")]
+        logger.info("cluster: member %s (epoch %d, %s)", self.proxy_id, self.epoch,
+                    "paused" if self._admission.is_paused else "admitting")
+
+    async def stop(self) -> None:
+        """Leave the registry (records are flushed by the recorder afterwards; leases go with them)."""
+        for task in [*self._tasks, *([self._drain_task] if self._drain_task else [])]:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+        await self._close_listener()
+        try:
+            async with self._engine.begin() as conn:
+                await store.deregister_proxy(conn, self.proxy_id)
+        except Exception:  # noqa: BLE001 - the row expires on its own after `lease_s`
+            logger.warning("cluster: could not leave the registry; the row expires in %.0f s", self._settings.lease_s)
+
+    # -- shared state -----------------------------------------------------------------------
+
+    async def sync(self) -> None:
+        """Read the shared state and apply it here if its epoch moved; acknowledge it."""
+        async with self._sync_lock:
+            async with self._engine.connect() as conn:
+                epoch, paused = await store.read_cluster_state(conn)
+                if epoch == self.epoch:
+                    return
+                active = await store.load_active_policy(conn)
+            if active is not None:
+                self._policy.set(*active)
+            if paused:
+                self._admission.pause()
+            else:
+                self._admission.resume()
+            self.epoch = epoch
+            async with self._engine.begin() as conn:
+                await store.ack_epoch(conn, self.proxy_id, seen=epoch, drained=None if paused else epoch)
+            if paused:
+                if self._drain_task is not None:
+                    self._drain_task.cancel()
+                self._drain_task = asyncio.get_running_loop().create_task(self._ack_drained(epoch))
+
+    async def _ack_drained(self, epoch: int) -> None:
+        while self._balancer.in_flight > 0:
+            await asyncio.sleep(0.005)
+        async with self._engine.begin() as conn:
+            await store.ack_epoch(conn, self.proxy_id, drained=epoch)
+
+    async def publish(self, paused: bool | None = None,
+                      op: Callable[[AsyncConnection], Awaitable[None]] | None = None) -> int:
+        """Commit `op` and a new epoch (setting the pause when given), notify every member, apply here."""
+        async with self._engine.begin() as conn:
+            if op is not None:
+                await op(conn)
+            epoch = await store.bump_epoch(conn, CHANNEL, paused)
+        await self.sync()
+        return epoch
+
+    async def wait_applied(self, epoch: int, timeout_s: float, *, drained: bool) -> list[str]:
+        """Wait until every live member applied `epoch` (and, with `drained`, has no call in flight).
+        Returns the members still lagging at the deadline (empty: all done)."""
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        delay = 0.002
+        while True:
+            async with self._engine.connect() as conn:
+                lagging = await store.lagging_proxies(conn, epoch, self._settings.lease_s, drained=drained)
+            if not lagging or asyncio.get_running_loop().time() >= deadline:
+                return lagging
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.05)
+
+    async def pause(self, wait: bool, timeout_s: float) -> None:
+        epoch = await self.publish(paused=True)
+        if wait:
+            lagging = await self.wait_applied(epoch, timeout_s, drained=True)
+            if lagging:
+                raise ServiceUnavailable(f"proxies {', '.join(lagging)} still have calls in flight; admission "
+                                         "stays paused", code="pause_timeout", retry_after_s=1.0)
+
+    async def resume(self) -> None:
+        await self.publish(paused=False)
+
+    # -- leases and the `finish` barrier -------------------------------------------------------
+
+    def lease(self, call_id: str, rollout_id: str, attempt_id: str, route: str,
+              started_at: datetime) -> asyncio.Future[None] | None:
+        """Queue the call's lease row; the future is done once it is committed (or failed)."""
+        if not self._leases_ok or not self._tasks:
+            return None
+        future = asyncio.get_running_loop().create_future()
+        self._lease_rows.append({"call_id": call_id, "proxy_id": self.proxy_id, "rollout_id": rollout_id,
+                                 "attempt_id": attempt_id, "route": route, "started_at": started_at})
+        self._lease_waiters.append(future)
+        self._lease_kick.set()
+        return future
+
+    @staticmethod
+    async def held(lease: asyncio.Future[None]) -> None:
+        """Before a call's end reaches its client: its lease is in the database (or given up on)."""
+        if not lease.done():
+            try:
+                await asyncio.wait_for(asyncio.shield(lease), _LEASE_WAIT_S)
+            except TimeoutError:
+                logger.warning("cluster: a call lease took over %.0f s; not waiting for it", _LEASE_WAIT_S)
+
+    async def _lease_loop(self) -> None:
+        while True:
+            await self._lease_kick.wait()
+            self._lease_kick.clear()
+            rows, waiters = self._lease_rows, self._lease_waiters
+            self._lease_rows, self._lease_waiters = [], []
+            try:
+                async with self._engine.begin() as conn:
+                    await store.add_leases(conn, rows)
+            except Exception as exc:  # noqa: BLE001 - a lease is best effort while the database is down
+                if self._leases_ok:
+                    logger.error("cluster: call leases not written (%s); `finish` on other proxies cannot wait "
+                                 "for this proxy's calls until the database is back", exc.__class__.__name__)
+                self._leases_ok = False
+            for waiter in waiters:
+                if not waiter.done():
+                    waiter.set_result(None)
+
+    async def wait_released(self, key: tuple[str, str], timeout_s: float) -> bool:
+        """Wait until no proxy holds a lease of the attempt (its calls are recorded). False on timeout."""
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        delay = 0.002
+        while True:
+            async with self._engine.connect() as conn:
+                if await store.count_leases(conn, *key) == 0:
+                    return True
+            if asyncio.get_running_loop().time() >= deadline:
+                return False
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.05)
+
+    # -- background tasks ----------------------------------------------------------------------
+
+    async def _listen_loop(self) -> None:
+        """Hold a LISTEN connection; reconnect after losing it (and re-read the state then)."""
+        while True:
+            try:
+                self._listener = await asyncpg.connect(self._dsn)
+                closed = asyncio.Event()
+                self._listener.add_termination_listener(lambda _conn: closed.set())
+                await self._listener.add_listener(CHANNEL, lambda *_args: self._kick.set())
+                self._kick.set()  # whatever changed while not listening
+                await closed.wait()
+                logger.warning("cluster: LISTEN connection lost; reconnecting")
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - retried; the heartbeat still syncs meanwhile
+                logger.warning("cluster: LISTEN failed (%s); retrying", exc.__class__.__name__)
+            await self._close_listener()
+            await asyncio.sleep(self._settings.heartbeat_s)
+
+    async def _close_listener(self) -> None:
+        if self._listener is not None:
+            listener, self._listener = self._listener, None
+            try:
+                await asyncio.wait_for(listener.close(), 2.0)
+            except Exception:  # noqa: BLE001
+                listener.terminate()
+
+    async def _sync_loop(self) -> None:
+        while True:
+            await self._kick.wait()
+            self._kick.clear()
+            try:
+                await self.sync()
+            except Exception as exc:  # noqa: BLE001 - the heartbeat tries again
+                logger.warning("cluster: state not read (%s)", exc.__class__.__name__)
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self._settings.heartbeat_s)
+            try:
+                await self._beat()
+            except Exception as exc:  # noqa: BLE001 - retried next beat
+                logger.warning("cluster: heartbeat failed (%s: %s)", exc.__class__.__name__, str(exc)[:300])
+
+    async def _beat(self) -> None:
+        async with self._engine.begin() as conn:
+            if not await store.heartbeat(conn, self.proxy_id, self._balancer.in_flight):
+                logger.error("cluster: this proxy was taken for dead (no heartbeat for %.0f s); joining again",
+                             self._settings.lease_s)
+                await store.register_proxy(conn, self.proxy_id, socket.gethostname(), os.getpid())
+                self.epoch = -1
+        self._leases_ok = True
+        self._kick.set()
+        await self._reap()
+
+    async def _reap(self) -> None:
+        """Record the calls of dead proxies as `interrupted` (their leases), in one transaction."""
+        async with self._engine.begin() as conn:
+            leases = await store.claim_dead_proxies(conn, self._settings.lease_s)
+            if not leases:
+                return
+            now = datetime.now(UTC)
+            records = [_interrupted(lease, now) for lease in leases]
+            written = await store.write_calls(conn, records, skip_existing=True, release_leases=True)
+        self.reaped_total += written
+        logger.warning("cluster: %d call(s) in flight on dead proxies %s recorded as interrupted", written,
+                       ", ".join(sorted({str(lease["proxy_id"]) for lease in leases})))
+
+
+def _interrupted(lease: dict[str, Any], now: datetime) -> CallRecord:
+    started_at = lease["started_at"]
+    return CallRecord(
+        call_id=lease["call_id"], rollout_id=lease["rollout_id"], attempt_id=lease["attempt_id"],
+        route=lease["route"], is_streaming=False, status=CallStatus.INTERRUPTED, started_at=started_at,
+        ended_at=max(now, started_at),
+        error={"message": f"proxy {lease['proxy_id']} stopped heartbeating (killed or cut off) while this call "
+                          "was in flight; its answer, if any, was not kept", "type": "interrupted", "param": None,
+               "code": "proxy_lost"},
+    )

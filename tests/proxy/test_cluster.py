@@ -1,0 +1,304 @@
+"""Several real proxy processes on one PostgreSQL database behind a round-robin balancer act as one.
+
+- three proxies, 64 agents whose calls land on all of them, a policy push and a pause
+  (weight push) during the run, `finish` on a random proxy: every call recorded exactly
+  once and readable from any proxy; no call stamped with a version that was not active
+  while it ran; the push and the pause waited for all three;
+- `finish` on one proxy waits for the attempt's call still streaming on another;
+- kill -9 of one of two proxies under load: the other keeps serving; the dead one's calls in
+  flight are recorded `interrupted` within the lease time, and its own journal recovery,
+  when it restarts, records nothing twice.
+
+PostgreSQL only: SQLite serves one proxy process (`--workers > 1` on it is refused, tested here).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import psycopg
+import pytest
+
+from tests.support.databases import postgres_database
+from tests.support.fault_replica import FaultReplica
+from tests.support.proxy_process import ROOT, ProxyProcess
+from tests.support.round_robin import RoundRobin
+from tests.support.servers import free_port, serve_in_thread
+
+AUTH = {"authorization": "Bearer t"}
+LEASE_S = 2.0
+HEARTBEAT_S = 0.25
+CLUSTER_ENV = {"ROLLTAP_PROXY__ADMIN_TOKEN": "t", "ROLLTAP_PROXY__CLUSTER__LEASE_S": str(LEASE_S),
+               "ROLLTAP_PROXY__CLUSTER__HEARTBEAT_S": str(HEARTBEAT_S), "ROLLTAP_PROXY__MODEL": "fault-model"}
+
+
+@dataclass
+class Seen:
+    rollout_id: str
+    call_id: str
+    version: int
+    started: float  # the client's clock, around the call
+    ended: float
+
+
+@contextmanager
+def cluster(tmp_path: Path, n_proxies: int,
+            n_replicas: int = 2) -> Iterator[tuple[str, list[ProxyProcess], RoundRobin, str]]:
+    with ExitStack() as stack:
+        db_url = stack.enter_context(postgres_database())
+        replicas = [stack.enter_context(serve_in_thread(FaultReplica()))[0] for _ in range(n_replicas)]
+        proxies = []
+        for i in range(n_proxies):
+            proxy = ProxyProcess(tmp_path / f"p{i}", db_url, replicas, free_port(), **CLUSTER_ENV)
+            proxy.workdir.mkdir()
+            stack.callback(proxy.stop)
+            proxy.start()  # one after the other: the first one migrates
+            proxies.append(proxy)
+        balancer = RoundRobin([p.url for p in proxies])
+        url, _ = stack.enter_context(serve_in_thread(balancer))
+        yield db_url, proxies, balancer, url
+
+
+def _rows(db_url: str, sql: str) -> list[tuple[object, ...]]:
+    with psycopg.connect(db_url) as conn:
+        return list(conn.execute(sql).fetchall())
+
+
+def test_three_proxies_behind_a_balancer_act_as_one(tmp_path: Path) -> None:
+    with cluster(tmp_path, 3) as (db_url, proxies, balancer, lb):
+        assert len(_rows(db_url, "SELECT proxy_id FROM proxies")) == 3
+        seen: list[Seen] = []
+        push: dict[str, float] = {}
+        pause_in_flight: list[int] = []
+
+        async def agent(i: int, client: httpx.AsyncClient) -> None:
+            rid = f"r{i}"
+            mine = []
+            for k in range(3):
+                body = {"model": "m", "messages": [{"role": "user", "content": f"{i}-{k}"}], "max_tokens": 4,
+                        "stream": (i + k) % 2 == 0, "fault": {"delay_s": 0.01}}
+                started = time.time()
+                r = await client.post(f"{lb}/rollout/{rid}/attempt/a/v1/chat/completions", json=body)
+                ended = time.time()
+                assert r.status_code == 200, r.text
+                mine.append(Seen(rid, r.headers["x-rolltap-call-id"], int(r.headers["x-rolltap-policy-version"]),
+                                 started, ended))
+            seen.extend(mine)
+            finish = await client.post(f"{random.choice(proxies).url}/rollout/{rid}/attempt/a/finish",
+                                       json={"status": "succeeded"})
+            assert finish.status_code == 200, finish.text
+            # Right after `finish` returned, from any proxy: every call, once.
+            got = await client.get(f"{random.choice(proxies).url}/rollout/{rid}/attempt/a")
+            ids = [c["call_id"] for c in got.json()["calls"]]
+            assert sorted(ids) == sorted(s.call_id for s in mine), (ids, mine)
+
+        async def pusher(client: httpx.AsyncClient) -> None:
+            while len(seen) < 40 and sum(balancer.requests.values()) < 60:
+                await asyncio.sleep(0.01)
+            push["sent"] = time.time()
+            r = await client.put(f"{random.choice(proxies).url}/admin/policy", headers=AUTH,
+                                 json={"version": 1, "served_name": "fault-model", "kind": "lora"})
+            push["returned"] = time.time()
+            assert r.status_code == 200, r.text
+            # The push returned only once every proxy applied it.
+            for proxy in proxies:
+                assert (await client.get(f"{proxy.url}/admin/policy", headers=AUTH)).json()["version"] == 1
+            # A full-weight push: pause waits until all three have drained.
+            r = await client.post(f"{random.choice(proxies).url}/admin/pause", headers=AUTH, json={"wait": True})
+            assert r.status_code == 200, r.text
+            for proxy in proxies:
+                replicas = (await client.get(f"{proxy.url}/admin/replicas", headers=AUTH)).json()["data"]
+                pause_in_flight.append(sum(rep["in_flight"] for rep in replicas))
+            await asyncio.sleep(0.2)
+            r = await client.post(f"{random.choice(proxies).url}/admin/resume", headers=AUTH)
+            assert r.status_code == 200, r.text
+
+        async def main() -> None:
+            limits = httpx.Limits(max_connections=200, max_keepalive_connections=200)
+            async with httpx.AsyncClient(timeout=60, limits=limits) as client:
+                await asyncio.gather(pusher(client), *(agent(i, client) for i in range(64)))
+
+        asyncio.run(main())
+        assert len(seen) == 64 * 3
+        assert pause_in_flight == [0, 0, 0]
+        # Calls landed on every proxy.
+        assert {balancer.served[s.call_id] for s in seen} == {p.url for p in proxies}
+        # No call stamped with a version that was not active while it ran.
+        for s in seen:
+            if s.version == 0:
+                assert s.started < push["returned"], s
+            else:
+                assert s.version == 1 and s.ended > push["sent"], s
+        assert {s.version for s in seen} == {0, 1}
+        # Exactly once, database-wide; no lease left behind.
+        ids = [r[0] for r in _rows(db_url, "SELECT call_id FROM calls")]
+        assert len(ids) == len(set(ids)) == len(seen)
+        assert _rows(db_url, "SELECT count(*) FROM call_leases") == [(0,)]
+
+
+def test_finish_on_another_proxy_waits_for_the_call_in_flight(tmp_path: Path) -> None:
+    with cluster(tmp_path, 2, n_replicas=1) as (_, [a, b], _balancer, _lb), httpx.Client(timeout=60) as http:
+        slow = {"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 8, "stream": True,
+                "fault": {"delay_s": 0.1}}
+        ended: dict[str, float] = {}
+
+        async def main() -> None:
+            async with httpx.AsyncClient(timeout=60) as client:
+                async def stream() -> None:
+                    r = await client.post(f"{a.url}/rollout/f/attempt/a/v1/chat/completions", json=slow)
+                    ended["stream"] = time.time()
+                    assert r.status_code == 200 and r.text.rstrip().endswith("[DONE]")
+
+                async def finish() -> None:
+                    await asyncio.sleep(0.3)  # the stream is running on A
+                    r = await client.post(f"{b.url}/rollout/f/attempt/a/finish", json={"status": "succeeded"})
+                    ended["finish"] = time.time()
+                    assert r.status_code == 200, r.text
+
+                await asyncio.gather(stream(), finish())
+
+        asyncio.run(main())
+        assert ended["finish"] >= ended["stream"] - 0.05
+        calls = http.get(f"{b.url}/rollout/f/attempt/a").json()["calls"]
+        assert [c["status"] for c in calls] == ["ok"]
+
+
+def test_kill9_of_one_proxy_under_load(tmp_path: Path) -> None:
+    with cluster(tmp_path, 2) as (db_url, [a, b], balancer, lb):
+        turns: list[tuple[str, str | None, bool, float]] = []  # rollout, call id, complete, when it ended
+        stop = asyncio.Event()
+        killed: dict[str, float] = {}
+
+        async def agent(i: int, client: httpx.AsyncClient) -> None:
+            k = 0
+            while not stop.is_set():
+                body = {"model": "m", "messages": [{"role": "user", "content": f"{i}-{k}"}], "max_tokens": 8,
+                        "stream": True, "fault": {"delay_s": 0.03}}
+                call_id, complete = None, False
+                try:
+                    async with client.stream("POST", f"{lb}/rollout/k{i}/attempt/a/v1/chat/completions",
+                                             json=body) as r:
+                        call_id = r.headers.get("x-rolltap-call-id")
+                        raw = b"".join([chunk async for chunk in r.aiter_raw()])
+                        complete = r.status_code == 200 and raw.rstrip().endswith(b"[DONE]")
+                except (httpx.TransportError, httpx.StreamError):
+                    pass
+                turns.append((f"k{i}", call_id, complete, time.time()))
+                k += 1
+
+        async def killer() -> None:
+            await asyncio.sleep(1.5)
+            await asyncio.to_thread(a.kill9)
+            killed["at"] = time.time()
+            await asyncio.sleep(2.0)
+            stop.set()
+
+        async def main() -> None:
+            async with httpx.AsyncClient(timeout=60) as client:
+                await asyncio.gather(killer(), *(agent(i, client) for i in range(16)))
+
+        asyncio.run(main())
+        on_a = {cid for _, cid, _, _ in turns if cid and balancer.served.get(cid) == a.url}
+        cut_on_a = {cid for _, cid, complete, _ in turns if cid in on_a and not complete}
+        assert on_a and cut_on_a, "the kill should have cut calls in flight on A"
+        # B kept serving: every call it took after the kill completed.
+        after = [(cid, complete) for _, cid, complete, t in turns
+                 if cid and balancer.served.get(cid) == b.url and t > killed["at"] + 0.2]
+        assert after and all(complete for _, complete in after)
+
+        # Within the lease time (plus a heartbeat to notice it), A's cut calls are recorded interrupted.
+        deadline = killed["at"] + LEASE_S + 2 * HEARTBEAT_S + 1.5
+        while True:
+            rows = dict(_rows(db_url, "SELECT call_id, status FROM calls"))
+            if all(rows.get(cid) == "interrupted" for cid in cut_on_a):
+                break
+            assert time.time() < deadline, {cid: rows.get(cid) for cid in cut_on_a}
+            time.sleep(0.1)
+        assert _rows(db_url, "SELECT count(*) FROM call_leases") == [(0,)]
+
+        def check_exactly_once() -> dict[str, str]:
+            rows = _rows(db_url, "SELECT call_id, status FROM calls")
+            assert len(rows) == len({cid for cid, _ in rows})
+            by_id = {str(cid): str(status) for cid, status in rows}
+            for _, cid, complete, _ in turns:
+                if cid is None:
+                    continue
+                assert cid in by_id, cid
+                if complete and cid not in on_a:
+                    assert by_id[cid] == "ok"
+            return by_id
+
+        before = check_exactly_once()
+        # A comes back: its journal recovery writes what it journaled, skipping what the reaper wrote.
+        a.start()
+        time.sleep(0.5)
+        assert check_exactly_once() == before
+
+
+def test_workers_share_one_port_each_a_member(tmp_path: Path) -> None:
+    with postgres_database() as db_url, serve_in_thread(FaultReplica()) as (replica, _):
+        proxy = ProxyProcess(tmp_path, db_url, [replica], free_port(), **CLUSTER_ENV, ROLLTAP_PROXY__WORKERS="2")
+        try:
+            proxy.start()
+            deadline = time.monotonic() + 30
+            while len(_rows(db_url, "SELECT proxy_id FROM proxies")) < 2:
+                assert time.monotonic() < deadline, proxy.log_tail()
+                time.sleep(0.1)
+            pids = {str(r[0]).split("-")[-2] for r in _rows(db_url, "SELECT proxy_id FROM proxies")}
+            assert len(pids) == 2  # two processes
+            with httpx.Client(timeout=30) as http:
+                for k in range(8):
+                    http.post(f"{proxy.url}/rollout/w{k}/attempt/a/v1/chat/completions",
+                              json={"model": "m", "messages": [{"role": "user", "content": "x"}]}).raise_for_status()
+            proxy.sigterm()
+            assert proxy.wait(60) == 0, proxy.log_tail()
+            assert _rows(db_url, "SELECT count(*) FROM calls") == [(8,)]
+            assert _rows(db_url, "SELECT count(*) FROM proxies") == [(0,)]  # both left the registry
+        finally:
+            proxy.stop()
+
+
+def test_several_workers_on_sqlite_are_refused(tmp_path: Path) -> None:
+    run = subprocess.run([sys.executable, "-m", "proxy.main", "--db", f"sqlite:///{tmp_path / 'r.db'}",
+                          "--replica", "http://127.0.0.1:9", "--workers", "2"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert run.returncode != 0 and "--workers > 1 needs PostgreSQL" in run.stderr
+
+
+@pytest.mark.parametrize("n_replicas", [2, 3, 4, 8])
+def test_rollouts_spread_evenly_over_replicas(n_replicas: int) -> None:
+    """The rule every proxy applies alike (a hash ring): busiest / least busy stays <= 1.5x."""
+    from proxy.balancer import Balancer
+    from proxy.upstream import Upstream
+    from shared.settings import ProxySettings
+
+    settings = ProxySettings()
+    urls = [f"http://10.0.0.{i}:8000" for i in range(n_replicas)]
+    balancer = Balancer(urls, Upstream(settings), settings.pool, 1.0)
+    balancer.hash_rollouts = True
+    for replica in balancer.replicas:
+        replica.is_healthy = True
+    counts = {u: 0 for u in urls}
+    for k in range(4000):
+        counts[balancer.pick(f"rollout-{k}", "a").url] += 1
+    assert max(counts.values()) / min(counts.values()) <= 1.5, counts
+    # The same rollout, asked of another proxy's balancer, lands on the same replica.
+    other = Balancer(list(reversed(urls)), Upstream(settings), settings.pool, 1.0)
+    other.hash_rollouts = True
+    for replica in other.replicas:
+        replica.is_healthy = True
+    assert all(other.pick(f"rollout-{k}").url == balancer.pick(f"rollout-{k}").url for k in range(200))
+    # Ejecting a replica moves only its own rollouts.
+    gone = urls[0]
+    balancer.mark_unreachable(balancer.get(gone), "test")
+    other.mark_unreachable(other.get(gone), "test")
+    assert all(other.pick(f"rollout-{k}").url == balancer.pick(f"rollout-{k}").url != gone for k in range(200))
