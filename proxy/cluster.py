@@ -188,7 +188,7 @@ class Cluster:
 
     @staticmethod
     async def held(lease: asyncio.Future[None]) -> None:
-        """Before a call's end reaches its client: its lease is in the database (or given up on)."""
+        """Before a call goes upstream (and before its record): its lease is in the database (or given up on)."""
         if not lease.done():
             try:
                 await asyncio.wait_for(asyncio.shield(lease), _LEASE_WAIT_S)

@@ -126,6 +126,10 @@ class Relay:
             call.has_slot = True
             await self._admission.admit()
             raw = call.request_body = await read_body(request, self._max_request)
+            if call.lease is not None:
+                # Nothing goes upstream before its lease is in the database: if this proxy dies from
+                # here on, a live one finds the lease and records the call `interrupted`.
+                await Cluster.held(call.lease)
             watcher = asyncio.get_running_loop().create_task(
                 self._watch_disconnect(request, call, asyncio.current_task()))
             if self._hosted is not None and (model := self._hosted.model_of(raw)) is not None:
@@ -363,7 +367,7 @@ class Relay:
 
     async def _seal(self, call: CallState) -> CallRecord:
         """Build the record and journal it (fsynced with `journal_fsync`): the call survives a crash now."""
-        if call.lease is not None:  # other proxies' `finish` must see the call before its client sees the end
+        if call.lease is not None:  # calls refused before forwarding: the row must precede its deletion
             await Cluster.held(call.lease)
         record = self._build(call)
         call.sealed, call.sealed_len = record, len(call.body)

@@ -6,8 +6,8 @@ heartbeat row (`proxies`); a tracked call in flight holds a lease row (`call_lea
 until its record is committed, so `finish` on any proxy can wait for it and a live
 proxy can turn the leases of a dead one into `interrupted` records.
 
-Revision ID: 0005
-Revises: 0004
+Revision ID: 0006
+Revises: 0005
 Create Date: 2026-12-02 04:10:00.000000
 """
 
@@ -16,8 +16,8 @@ from __future__ import annotations
 from alembic import op
 import sqlalchemy as sa
 
-revision = '0005'
-down_revision = '0004'
+revision = '0006'
+down_revision = '0005'
 branch_labels = None
 depends_on = None
 
