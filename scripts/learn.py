@@ -459,6 +459,12 @@ def _write_report(args: argparse.Namespace, model: Path, served_name: str, curve
         f"- mean reward, first five versions: {first5:.3f}; last five: {last5:.3f} "
         f"(x{last5 / first5 if first5 else float('inf'):.2f})",
     ]
+    for key, label in (("entropy", "entropy (nats/token)"), ("clip_frac", "clip fraction")):
+        per_version = [m[key] for c in curve if isinstance((m := by_step.get(c["version"] + 1) or {}).get(key),
+                                                           int | float)]
+        if per_version:
+            lines.append(f"- {label}, mean of the first five versions: {statistics.fmean(per_version[:5]):.3f}; "
+                         f"last five: {statistics.fmean(per_version[-5:]):.3f}")
     # A collapse: 10 versions in a row with gradient norm 0 while the reward is still below 0.9.
     streak = longest = 0
     for c in curve:
