@@ -1,6 +1,6 @@
 """The whole loop on CPU, measured: agent -> proxy -> vLLM replicas -> trainer -> weight push.
 
-    .venv/bin/python -m scripts.learn [--steps 40] [--minutes 15] [--out docs/learning.md]
+    .venv/bin/python -m scripts.learn [--steps 40] [--minutes 60] [--out docs/learning.md]
 
 By default a tiny model made on the spot learns `examples/letter_task.py` (write text full
 of the letter "e"). `--model-dir` serves and trains another local HF model directory
@@ -12,6 +12,10 @@ Per policy version the driver runs `groups` tasks x `group_size` attempts throug
 with the plain `openai` SDK, then waits for the trainer (the real `rolltap-trainer run
 --config`, a separate process) to train on them and push the next LoRA version to the
 replicas. The reward curve, step time and its phases are written to `--out`.
+
+A run is budgeted in policy versions (`--steps`): a slow or loaded machine takes longer
+rather than stopping early; `--minutes` is only a safety cap, and the report says when it
+ended the run. The machine's load average is sampled during the run and reported.
 """
 
 from __future__ import annotations
@@ -78,9 +82,12 @@ micro_batch_size = {micro_batch}
 lr = {lr}
 lora_rank = {lora_rank}
 lora_alpha = {lora_alpha}
-kl_coef = 0.0
+kl_coef = {kl_coef}
 ppo_epochs = {ppo_epochs}
 entropy_coeff = {entropy_coeff}
+clip_ratio_low = {clip_low}
+clip_ratio_high = {clip_high}
+norm_adv_by_std_in_grpo = {norm_adv}
 """
 
 # The trainer's per-step log line (trainer/loop.py `_log_step`): the full step time and the
@@ -100,17 +107,19 @@ class Attempt:
 
 @dataclass
 class Memory:
-    """Peak memory seen by a background sampler (every 2 s)."""
+    """Peak memory and the load average (1 min) seen by a background sampler (every 2 s)."""
 
     pids: dict[str, list[str]] = field(default_factory=dict)  # label -> `ps` selectors: "-g SID" or "-p PID"
     peak_used_gb: float = 0.0
     peak_rss_gb: dict[str, float] = field(default_factory=dict)
+    loads: list[float] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
 
     def sample(self) -> None:
         info = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
         kb = {k: int(v.split()[0]) for k, v in info.items() if v.strip().endswith("kB")}
         self.peak_used_gb = max(self.peak_used_gb, (kb["MemTotal"] - kb["MemAvailable"]) / 2**20)
+        self.loads.append(os.getloadavg()[0])
         for label, pgids in list(self.pids.items()):  # the driver adds the trainer while this runs
             total = sum(_rss_kb(p) for p in pgids) / 2**20
             self.peak_rss_gb[label] = max(self.peak_rss_gb.get(label, 0.0), total)
@@ -216,7 +225,8 @@ def _parse_trainer_log(path: Path) -> dict[int, dict[str, float]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--minutes", type=float, default=15.0, help="time budget for the training part")
+    parser.add_argument("--minutes", type=float, default=60.0, help="wall-clock cap on the training part (a "
+                        "safety net: the run is budgeted by --steps, so a loaded machine takes longer)")
     parser.add_argument("--groups", type=int, default=4, help="tasks per step")
     parser.add_argument("--group-size", type=int, default=8, help="attempts per task (a GRPO group)")
     parser.add_argument("--lr", type=float, default=1e-2)
@@ -251,6 +261,11 @@ def main() -> None:
                         "and the replicas' sampling (each attempt's request `seed`)")
     parser.add_argument("--ppo-epochs", type=int, default=2, help="passes over each step's batch (trust region)")
     parser.add_argument("--entropy-coeff", type=float, default=0.005, help="entropy bonus in the loss")
+    parser.add_argument("--kl-coef", type=float, default=0.0, help="KL-to-reference loss weight (the base model: "
+                        "the adapter switched off)")
+    parser.add_argument("--clip-ratio", type=float, default=0.2, help="PPO clip range, both sides")
+    parser.add_argument("--no-std-norm", action="store_true", help="GRPO advantages without the division by the "
+                        "group's std (Dr. GRPO)")
     parser.add_argument("--plot", type=Path, default=None, help="write the reward/entropy curve PNG here "
                         "(default: beside --out, named after it)")
     parser.add_argument("--title", default="Learning on CPU, through the whole loop (scripts/learn.py)")
@@ -314,7 +329,8 @@ def main() -> None:
             db=db, model=model, ckpt=args.workdir / "checkpoints", steps=args.steps, group_size=args.group_size,
             groups=args.groups, proxy=proxy_url, token=TOKEN, mini_batch=args.mini_batch,
             micro_batch=args.micro_batch, lr=args.lr, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
-            seed=args.seed, ppo_epochs=args.ppo_epochs, entropy_coeff=args.entropy_coeff))
+            seed=args.seed, ppo_epochs=args.ppo_epochs, entropy_coeff=args.entropy_coeff, kl_coef=args.kl_coef,
+            clip_low=args.clip_ratio, clip_high=args.clip_ratio, norm_adv=str(not args.no_std_norm).lower()))
         trainer_log = open(args.workdir / "trainer.log", "wb")  # noqa: SIM115
         trainer = subprocess.Popen([str(bin_dir / "rolltap-trainer"), "run", "--config", str(config)],
                                    env=env, stdout=trainer_log, stderr=subprocess.STDOUT)
@@ -458,14 +474,21 @@ def _write_report(args: argparse.Namespace, model: Path, served_name: str, curve
         f"- settings: {args.groups} groups x {args.group_size} attempts per policy version, max_tokens "
         f"{args.max_tokens}, temperature 1.0; trainer lr {args.lr:g}, LoRA rank {args.lora_rank} alpha "
         f"{args.lora_alpha} (all linear layers), mini-batch {args.mini_batch}, micro-batch {args.micro_batch}, "
-        f"PPO epochs {args.ppo_epochs}, entropy_coeff {args.entropy_coeff:g}, "
-        f"{'fp32' if _gpu() == 'no GPU' else 'bf16 compute, fp32 master weights'}, kl_coef 0, max_staleness 1, "
-        f"seed {args.seed}",
+        f"PPO epochs {args.ppo_epochs}, clip ratio {args.clip_ratio:g}, entropy_coeff {args.entropy_coeff:g}, "
+        f"kl_coef {args.kl_coef:g}, GRPO {'without' if args.no_std_norm else 'with'} the std division, "
+        f"{'fp32' if _gpu() == 'no GPU' else 'bf16 compute, fp32 master weights'}, max_staleness 1, seed {args.seed}",
         f"- replicas healthy after {replica_start_s:.0f} s (not counted below)",
-        f"- policy versions trained and served: {len(curve)} in {elapsed_min:.1f} min",
+        f"- policy versions trained and served: {len(curve)} of {args.steps} in {elapsed_min:.1f} min"
+        f"{f' (**ended by the {args.minutes:g}-minute cap**)' if len(curve) < args.steps else ''}",
         f"- mean reward, first five versions: {first5:.3f}; last five: {last5:.3f} "
         f"(x{last5 / first5 if first5 else float('inf'):.2f})",
     ]
+    for key, label in (("entropy", "entropy (nats/token)"), ("clip_frac", "clip fraction")):
+        per_version = [m[key] for c in curve if isinstance((m := by_step.get(c["version"] + 1) or {}).get(key),
+                                                           int | float)]
+        if per_version:
+            lines.append(f"- {label}, mean of the first five versions: {statistics.fmean(per_version[:5]):.3f}; "
+                         f"last five: {statistics.fmean(per_version[-5:]):.3f}")
     # A collapse: 10 versions in a row with gradient norm 0 while the reward is still below 0.9.
     streak = longest = 0
     for c in curve:
@@ -478,6 +501,10 @@ def _write_report(args: argparse.Namespace, model: Path, served_name: str, curve
         passed = last5 >= 0.9 and longest < 10
         lines.append(f"- target (last five >= 0.9, no 10 versions in a row with gradient norm 0 below 0.9): "
                      f"**{'met' if passed else 'NOT met'}**")
+    if memory.loads:
+        loads = sorted(memory.loads)
+        lines.append(f"- machine load during the run (1-minute load average on {os.cpu_count()} cores, sampled every "
+                     f"2 s): median {statistics.median(loads):.1f}, max {loads[-1]:.1f}")
     if memory.peak_rss_gb:
         rss = ", ".join(f"{k} {v:.1f} GiB" for k, v in memory.peak_rss_gb.items())
         lines.append(f"- peak memory: machine in use {memory.peak_used_gb:.1f} GiB (all processes); "

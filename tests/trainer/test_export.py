@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +13,7 @@ from sqlalchemy import select
 
 from shared.db.models import Export
 from shared.settings import TrainerSettings
-from tests.trainer.conftest import Db
+from tests.trainer.conftest import Db, tokens_call
 from trainer.data import read_samples
 from trainer.export import export_triplets
 from trainer.main import main
@@ -186,3 +187,48 @@ def test_cli_stats(db: Db, tiny_tokenizer: Any, tmp_path: Path, capsys: pytest.C
     for heading in ("Attempts by status", "Drop reasons", "Final rewards", "Policy versions"):
         assert heading in text
     assert "not_ok" in text and "v2" in text
+
+
+GRPO_2 = 0.5 / (math.sqrt(0.5) + 1e-6)  # rewards {1, 0}: mean 0.5, unbiased std sqrt(0.5), verl's epsilon
+
+
+def three_calls(first: int, n: int) -> list[dict[str, Any]]:
+    # Each call's prompt is new (it does not extend the previous call's): one triplet per call.
+    return [tokens_call([first + 4 * i, first + 4 * i + 1], [first + 4 * i + 2, first + 4 * i + 3]) for i in range(n)]
+
+
+@pytest.mark.parametrize(
+    ("mode", "win"),
+    [
+        ("identical", [GRPO_2] * 3),
+        ("last_only", [0.0, 0.0, GRPO_2]),
+        ("discounted", [GRPO_2 * 0.81, GRPO_2 * 0.9, GRPO_2]),
+        ("per_call", [GRPO_2] * 3),  # the finish reward sits on the last call: reward-to-go 1.0 on each
+    ],
+)
+def test_export_advantages_of_the_acceptance_group_in_every_credit_mode(
+    db: Db, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str, win: list[float]
+) -> None:
+    """Issue 11's acceptance, through `rolltap-trainer export`: "win" (three calls) scored 1.0 and "lose"
+    (one call) 0.0 get equal and opposite per-attempt advantages (GRPO +-0.7071); a tied group exports 0.0."""
+    db.attempt("task", "win", reward=1.0, calls=three_calls(10, 3))
+    db.attempt("task", "lose", reward=0.0, calls=three_calls(40, 1))
+    db.attempt("tie", "a", reward=0.5, calls=three_calls(60, 2))
+    db.attempt("tie", "b", reward=0.5, calls=three_calls(80, 1))
+    monkeypatch.setenv("ROLLTAP_TRAINER__CREDIT", mode)
+    monkeypatch.setenv("ROLLTAP_TRAINER__GAMMA", "0.9")
+    out = tmp_path / "x.jsonl"
+    assert main(["--db", db.url, "export", "--group-size", "2", "--out", str(out)]) == 0
+    rows = read_jsonl(out)
+    by: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for row in sorted(rows, key=lambda r: (r["rollout_id"], r["attempt_id"], r["triplet_index"])):
+        by.setdefault((row["rollout_id"], row["attempt_id"]), []).append(row)
+    assert [r["advantage"] for r in by["task", "win"]] == pytest.approx(win, abs=1e-6)
+    assert [r["advantage"] for r in by["task", "lose"]] == pytest.approx([-GRPO_2], abs=1e-6)
+    win_adv, lose_adv = by["task", "win"][0]["attempt_advantage"], by["task", "lose"][0]["attempt_advantage"]
+    assert win_adv == pytest.approx(0.7071, abs=1e-4) and win_adv == -lose_adv
+    assert {(r["group_size"], r["group_mean"]) for r in by["task", "win"] + by["task", "lose"]} == {(2, 0.5)}
+    assert by["task", "win"][0]["group_std"] == pytest.approx(math.sqrt(0.5))
+    tied = by["tie", "a"] + by["tie", "b"]
+    assert len(tied) == 3 and all(r["advantage"] == 0.0 and r["attempt_advantage"] == 0.0 for r in tied)
+    assert all(r["group_std"] == 0.0 for r in tied)
