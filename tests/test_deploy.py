@@ -124,6 +124,10 @@ def test_one_gpu_layout_shares_the_gpu_with_explicit_fractions() -> None:
     assert gpus == {"vllm-0": ["0"], "vllm-1": ["1"], "trainer": ["2"]}
     command = several["vllm-0"]["command"]
     assert command[command.index("--gpu-memory-utilization") + 1] == "0.90"
+    # Sharing one GPU, the second replica starts once the first is up (docs/gpu-results.md says why);
+    # on a GPU of its own it need not wait.
+    assert services["vllm-1"]["depends_on"]["vllm-0"]["condition"] == "service_healthy"
+    assert "vllm-0" not in several["vllm-1"]["depends_on"]
 
 
 def test_lifecycle_settings() -> None:
