@@ -39,7 +39,7 @@ from proxy.upstream import Upstream
 from shared.errors import Conflict, NotFound, RolltapError, UpstreamTimeout, UpstreamUnavailable
 from shared.settings import PoolSettings
 
-__all__ = ["Balancer", "ReplicaState"]
+__all__ = ["Balancer", "ReplicaLease", "ReplicaState"]
 
 logger = logging.getLogger(__name__)
 
@@ -189,11 +189,13 @@ class Balancer:
                 return self._replicas[url]
         return candidates[0]
 
-    def call_started(self, replica: ReplicaState) -> None:
+    def lease(self, replica: ReplicaState) -> ReplicaLease:
+        """Count a call in flight on `replica` until the lease is released."""
         replica.in_flight += 1
         replica.calls_total += 1
+        return ReplicaLease(self, replica)
 
-    def call_ended(self, replica: ReplicaState, http_status: int | None) -> None:
+    def _call_ended(self, replica: ReplicaState, http_status: int | None) -> None:
         """Account for a finished call; 5xx answers count towards ejection."""
         replica.in_flight -= 1
         if http_status is not None and http_status >= 500:
@@ -346,3 +348,21 @@ class Balancer:
 
 def _hash(key: str) -> int:
     return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "big")
+
+
+class ReplicaLease:
+    """One call's place on one replica, from `Balancer.lease` until `release`: the only owner of
+    that call's share of the replica's in-flight count, so it is given back exactly once."""
+
+    __slots__ = ("_balancer", "_released", "replica")
+
+    def __init__(self, balancer: Balancer, replica: ReplicaState) -> None:
+        self._balancer = balancer
+        self.replica = replica
+        self._released = False
+
+    def release(self, http_status: int | None) -> None:
+        """The call is over on this replica (`http_status` None: no answer); later calls do nothing."""
+        if not self._released:
+            self._released = True
+            self._balancer._call_ended(self.replica, http_status)  # noqa: SLF001 - the lease is the balancer's

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from opentelemetry.trace import Span
 
     from proxy.access import AgentKey
+    from proxy.balancer import ReplicaLease
 
 __all__ = ["CallState"]
 
@@ -71,6 +72,7 @@ class CallState:
     sealed: CallRecord | None = None  # the record journaled before the stream's last byte
     sealed_len: int = 0  # bytes of body the sealed record was built from
     lease: asyncio.Future[None] | None = None  # its `call_leases` row being written (`proxy.cluster`)
+    replica_lease: ReplicaLease | None = None  # its place on the replica that answers, until recorded
 
     @property
     def key(self) -> tuple[str, str] | None:

@@ -150,10 +150,7 @@ class Relay:
             if upstream.status == 200 and content_type.startswith("text/event-stream"):
                 finishes_later = True
                 return self._stream(call, replica, upstream, content_type)
-            try:
-                return await self._relay_whole(call, upstream, content_type)
-            finally:
-                self._balancer.call_ended(replica, call.http_status)
+            return await self._relay_whole(call, upstream, content_type)
         except asyncio.CancelledError:
             # Our watcher's cancel (the client left): the call is recorded below; any other
             # cancellation (server shutdown) goes on up once it is.
@@ -210,13 +207,13 @@ class Relay:
                 # Every healthy replica was tried: try again where it said "busy" rather than fail.
                 replica = self._balancer.pick(call.rollout_id, call.attempt_id)
             call.replica = replica.url
-            self._balancer.call_started(replica)
+            lease = self._balancer.lease(replica)
             sent = time.perf_counter()
             try:
                 upstream = await self._upstream.post(replica.url, "/v1/" + call.route, payload, headers)
             except UpstreamUnavailable as exc:
                 call.upstream_s += time.perf_counter() - sent
-                self._balancer.call_ended(replica, None)
+                lease.release(None)
                 self._balancer.mark_unreachable(replica, exc.message)
                 tried.add(replica.url)
                 if attempt == self._pool.max_retries:
@@ -224,16 +221,17 @@ class Relay:
                 logger.debug("retrying %s after %s", call.call_id, exc.message)
                 continue
             except BaseException:
-                self._balancer.call_ended(replica, None)
+                lease.release(None)
                 raise
             call.t_first_byte = time.perf_counter()  # response headers are the replica's first bytes
             call.upstream_s += call.t_first_byte - sent
             call.http_status = upstream.status
             if upstream.status in _RETRY_STATUSES and attempt < self._pool.max_retries:
                 upstream.release()
-                self._balancer.call_ended(replica, upstream.status)
+                lease.release(upstream.status)
                 tried.add(replica.url)
                 continue
+            call.replica_lease = lease  # given back in `record`, however the call ends
             return upstream, replica
         raise AssertionError("unreachable")  # the loop returns or raises
 
@@ -329,7 +327,6 @@ class Relay:
             return error
 
         async def finish(kept: bytes, truncated: bool) -> None:
-            self._balancer.call_ended(replica, call.http_status)
             call.body, call.truncated = kept, truncated
             await self.record(call)
 
@@ -383,6 +380,8 @@ class Relay:
             # Not sealed, or something happened after the seal (a late error event, a cut source).
             record = await self._seal(call)
         self._drain.call_ended()
+        if call.replica_lease is not None:
+            call.replica_lease.release(call.http_status)
         if call.has_slot:  # here, not in `_build`: a call may be sealed twice, its slot is given back once
             call.has_slot = False
             self._slots.give(call.agent)

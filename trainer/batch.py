@@ -66,13 +66,6 @@ class Batch:
         )
         return proto
 
-    def as_verl_or_dict(self) -> DataProto | dict[str, Any]:
-        """A DataProto when verl is importable, else one dict of tensors and numpy arrays."""
-        try:
-            return self.to_dataproto()
-        except ImportError:
-            return {**self.tensors, **self.non_tensors}
-
 
 def round_rows(num_rows: int, mini_batch_size: int, mode: Literal["pad", "drop"]) -> int:
     """How many rows a batch of `num_rows` has after rounding to a multiple of `mini_batch_size`."""

@@ -239,9 +239,15 @@ def test_kill9_of_one_proxy_under_load(tmp_path: Path) -> None:
 
         before = check_exactly_once()
         # A comes back: its journal recovery writes what it journaled, skipping what the reaper wrote.
+        # The only calls it may add are ones killed between their journal entry and their lease row:
+        # never sent upstream and never answered, so they come back `interrupted`, once.
         a.start()
         time.sleep(0.5)
-        assert check_exactly_once() == before
+        after = check_exactly_once()
+        assert before.items() <= after.items()
+        answered = {cid for _, cid, _, _ in turns if cid}
+        assert all(status == "interrupted" and cid not in answered
+                   for cid, status in after.items() if cid not in before)
 
 
 def test_workers_share_one_port_each_a_member(tmp_path: Path) -> None:
