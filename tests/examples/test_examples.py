@@ -44,7 +44,7 @@ def test_example_group_is_recorded_with_tokens(name: str, vllm_replica: Any, pro
     attempt, route = EXAMPLES[name]
     with proxy_for([vllm_replica.url]) as proxy:
         rewards = run_group(attempt, proxy.url, f"ex-{name}", Task(3, 4), size=GROUP)
-        attempts = [httpx.get(f"{proxy.url}/rollout/ex-{name}/attempt/a{i}").json() for i in range(GROUP)]
+        attempts = [httpx.get(f"{proxy.url}/rollout/ex-{name}/attempt/a{i}", timeout=60).json() for i in range(GROUP)]
     assert len(rewards) == GROUP and all(r in (0.0, 1.0) for r in rewards)
     for recorded, reward in zip(attempts, rewards, strict=True):
         assert recorded["status"] == "succeeded"

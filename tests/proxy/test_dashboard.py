@@ -46,7 +46,7 @@ def _fill(proxy_url: str) -> dict[str, Any]:
         body: dict[str, Any] = {"status": status} | ({"reward": reward} if reward is not None else {})
         httpx.post(f"{proxy_url}/rollout/{rollout}/attempt/{attempt}/finish", json=body, headers=headers,
                    timeout=60).raise_for_status()
-    return httpx.get(f"{proxy_url}/rollout/task-1/attempt/a0", headers=headers).json()
+    return httpx.get(f"{proxy_url}/rollout/task-1/attempt/a0", headers=headers, timeout=60).json()
 
 
 def _trainer_rows(db_url: str, attempt: dict[str, Any]) -> None:
@@ -64,23 +64,25 @@ def _trainer_rows(db_url: str, attempt: dict[str, Any]) -> None:
 
 
 def test_dashboard_is_closed_without_a_key(vllm_replica: Any, proxy_for: ProxyFactory) -> None:
-    with proxy_for([vllm_replica.url], open_access=False, agent_key=AGENT_KEY) as proxy:
-        assert httpx.get(f"{proxy.url}/ui").status_code == 401
-        assert httpx.get(f"{proxy.url}/ui", headers={"authorization": "Bearer wrong"}).status_code == 401
-        assert httpx.get(f"{proxy.url}/ui/charts").status_code == 401
-        assert httpx.get(f"{proxy.url}/ui/attempt/x/y").status_code == 401
+    # A 60 s client timeout, not httpx's 5 s: a proxy's first PostgreSQL query on a loaded CI machine.
+    with proxy_for([vllm_replica.url], open_access=False, agent_key=AGENT_KEY) as proxy, \
+            httpx.Client(timeout=60) as http:
+        assert http.get(f"{proxy.url}/ui").status_code == 401
+        assert http.get(f"{proxy.url}/ui", headers={"authorization": "Bearer wrong"}).status_code == 401
+        assert http.get(f"{proxy.url}/ui/charts").status_code == 401
+        assert http.get(f"{proxy.url}/ui/attempt/x/y").status_code == 401
         for token in (ADMIN, AGENT_KEY):
-            page = httpx.get(f"{proxy.url}/ui", headers={"authorization": f"Bearer {token}"})
+            page = http.get(f"{proxy.url}/ui", headers={"authorization": f"Bearer {token}"})
             assert page.status_code == 200 and "<h1>Attempts</h1>" in page.text
-        refused = httpx.post(f"{proxy.url}/ui/login", data={"token": "wrong"}, follow_redirects=False)
+        refused = http.post(f"{proxy.url}/ui/login", data={"token": "wrong"}, follow_redirects=False)
         assert refused.status_code == 401 and "rolltap_ui" not in refused.headers.get("set-cookie", "")
-        signed_in = httpx.post(f"{proxy.url}/ui/login", data={"token": AGENT_KEY}, follow_redirects=False)
+        signed_in = http.post(f"{proxy.url}/ui/login", data={"token": AGENT_KEY}, follow_redirects=False)
         assert signed_in.status_code == 303 and "HttpOnly" in signed_in.headers["set-cookie"]
         # Recorded text is escaped: an agent's content never becomes markup in the dashboard.
         client = openai.OpenAI(base_url=f"{proxy.url}/rollout/evil/attempt/0/v1", api_key=AGENT_KEY)
         client.chat.completions.create(model="m", messages=[{"role": "user", "content": "<script>alert(1)</script>"}],
                                        max_tokens=2)
-        page = httpx.get(f"{proxy.url}/ui/attempt/evil/0", cookies={"rolltap_ui": AGENT_KEY})
+        page = http.get(f"{proxy.url}/ui/attempt/evil/0", headers={"cookie": f"rolltap_ui={AGENT_KEY}"})
         assert page.status_code == 200 and "&lt;script&gt;alert(1)&lt;/script&gt;" in page.text
         assert "<script>alert" not in page.text
 
@@ -101,6 +103,7 @@ def test_dashboard_in_headless_chromium(vllm_replica: Any, proxy_for: ProxyFacto
         with sync_playwright() as pw:
             browser = pw.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
             page = browser.new_page(viewport={"width": 1280, "height": 900})
+            page.set_default_timeout(120_000)  # a loaded CI machine renders slowly; 30 s is not enough there
             page.goto(f"{proxy.url}/ui")
             assert page.locator("h1").inner_text() == "Sign in"
             page.fill("input[name=token]", ADMIN)

@@ -26,7 +26,7 @@ def test_sdk_responses_create_recorded_with_tokens(vllm_replica: Any, proxy_for:
         whole = client.responses.create(model="anything", input=PROMPT, max_output_tokens=12, temperature=0)
         events = list(client.responses.create(model="anything", input=PROMPT, max_output_tokens=12,
                                               temperature=0, stream=True))
-        attempt = httpx.get(f"{proxy.url}/rollout/resp/attempt/a0").json()
+        attempt = httpx.get(f"{proxy.url}/rollout/resp/attempt/a0", timeout=60).json()
     streamed = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert events[-1].type in ("response.completed", "response.incomplete")
     assert whole.output_text and streamed == whole.output_text  # greedy: streamed equals whole

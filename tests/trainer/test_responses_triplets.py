@@ -30,7 +30,7 @@ def test_responses_turns_merge_like_chat_turns(chained: bool, vllm_replica: Any,
                                   {"role": "assistant", "content": first.output_text},
                                   {"role": "user", "content": "And another?"}]
             client.responses.create(model="m", input=history, max_output_tokens=6, temperature=0)
-        attempt = httpx.get(f"{proxy.url}/rollout/resp-merge/attempt/0").json()
+        attempt = httpx.get(f"{proxy.url}/rollout/resp-merge/attempt/0", timeout=60).json()
     one, two = attempt["calls"]
     assert all(c["status"] == "ok" and c["completion_token_ids"] for c in (one, two))
     triplets, drops = build_triplets(call_rows(attempt), KEEP)

@@ -86,7 +86,7 @@ def test_tool_loop_merges_with_tool_result_masked(proxy_for: ProxyFactory, tiny_
             model="m", messages=messages, tools=TOOLS, temperature=0,
             extra_body={"fault": {"answer": _answer(prompt2, completion2, {
                 "role": "assistant", "content": "The sum is 5."}, "stop")}})
-        attempt = httpx.get(f"{proxy.url}/rollout/tools/attempt/0").json()
+        attempt = httpx.get(f"{proxy.url}/rollout/tools/attempt/0", timeout=60).json()
 
     recorded = attempt["calls"]
     assert [c["finish_reason"] for c in recorded] == ["tool_calls", "stop"]
@@ -124,7 +124,7 @@ def test_real_replica_tool_loop_never_trains_on_tool_results(vllm_replica: Any, 
             results.append(_run_tool(call))
             messages.append({"role": "tool", "tool_call_id": call.id, "content": results[-1]})
         client.chat.completions.create(model="m", messages=messages, tools=TOOLS, max_tokens=16, seed=2)
-        attempt = httpx.get(f"{proxy.url}/rollout/tools-real/attempt/0").json()
+        attempt = httpx.get(f"{proxy.url}/rollout/tools-real/attempt/0", timeout=60).json()
 
     one, two = attempt["calls"]
     recorded_call = one["response"]["choices"][0]["message"]["tool_calls"][0]["function"]
