@@ -82,6 +82,9 @@ def test_dashboard_is_closed_without_a_key(vllm_replica: Any, proxy_for: ProxyFa
         client = openai.OpenAI(base_url=f"{proxy.url}/rollout/evil/attempt/0/v1", api_key=AGENT_KEY)
         client.chat.completions.create(model="m", messages=[{"role": "user", "content": "<script>alert(1)</script>"}],
                                        max_tokens=2)
+        # `finish` returns once the attempt's calls are recorded; the dashboard reads what is recorded.
+        http.post(f"{proxy.url}/rollout/evil/attempt/0/finish", json={"status": "succeeded", "reward": 0.0},
+                  headers={"authorization": f"Bearer {AGENT_KEY}"}).raise_for_status()
         page = http.get(f"{proxy.url}/ui/attempt/evil/0", headers={"cookie": f"rolltap_ui={AGENT_KEY}"})
         assert page.status_code == 200 and "&lt;script&gt;alert(1)&lt;/script&gt;" in page.text
         assert "<script>alert" not in page.text
