@@ -9,14 +9,17 @@ attempt finished with its reward so the trainer can use it.
 
 from __future__ import annotations
 
+import argparse
+import os
 import re
+import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import httpx
 
-__all__ = ["ADD_TOOL", "FORCE_ADD", "Task", "add", "base_url", "finish", "run_group", "score"]
+__all__ = ["ADD_TOOL", "FORCE_ADD", "Task", "add", "base_url", "finish", "main_for", "run_group", "score"]
 
 # The tool in OpenAI's chat-completions shape (the SDKs that take Python functions derive the same).
 ADD_TOOL = {"type": "function", "function": {
@@ -68,3 +71,15 @@ def run_group(attempt: Callable[[str, str, str, Task, str], float], proxy_url: s
     with ThreadPoolExecutor(max_workers=size) as pool:
         jobs = [pool.submit(attempt, proxy_url, rollout_id, f"a{i}", task, api_key) for i in range(size)]
         return [job.result() for job in jobs]
+
+
+def main_for(attempt: Callable[[str, str, str, Task, str], float], name: str, description: str | None,
+             argv: list[str] | None = None) -> None:
+    """The examples' shared CLI: one group of attempts at "What is 3 + 4?" through `--proxy`."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--proxy", default=os.environ.get("ROLLTAP_PROXY_URL", "http://127.0.0.1:8000"))
+    parser.add_argument("--group-size", type=int, default=4)
+    args = parser.parse_args(argv)
+    rewards = run_group(attempt, args.proxy, f"{name}-{uuid.uuid4().hex[:8]}", Task(3, 4),
+                        size=args.group_size, api_key=os.environ.get("ROLLTAP_AGENT_KEY") or "none")
+    print(f"rewards: {rewards}")

@@ -10,15 +10,12 @@ later turns leave the choice to the model.
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
-import uuid
 from typing import Any
 
 import openai
 
-from examples.calculator import ADD_TOOL, FORCE_ADD, Task, add, base_url, finish, run_group, score
+from examples.calculator import ADD_TOOL, FORCE_ADD, Task, add, base_url, finish, main_for, score
 
 __all__ = ["run_attempt"]
 
@@ -48,13 +45,7 @@ def run_attempt(proxy_url: str, rollout_id: str, attempt_id: str, task: Task, ap
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--proxy", default=os.environ.get("ROLLTAP_PROXY_URL", "http://127.0.0.1:8000"))
-    parser.add_argument("--group-size", type=int, default=4)
-    args = parser.parse_args(argv)
-    rewards = run_group(run_attempt, args.proxy, f"tool-loop-{uuid.uuid4().hex[:8]}", Task(3, 4),
-                        size=args.group_size, api_key=os.environ.get("ROLLTAP_AGENT_KEY") or "none")
-    print(f"rewards: {rewards}")
+    main_for(run_attempt, "tool-loop", __doc__.splitlines()[0] if __doc__ else None, argv)
 
 
 if __name__ == "__main__":
