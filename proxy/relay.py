@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -248,7 +249,7 @@ class Relay:
         call.is_streaming = bool(body.get("stream"))
         call.requested_model = body.get("model") if isinstance(body.get("model"), str) else None
         if rewrite and call.key is not None:
-            self._ask_for_tokens(call.route, body)
+            self._ask_for_tokens(call, body)
             if self._policy.served_name is not None:
                 body["model"] = self._policy.served_name
             call.policy_version = self._policy.version
@@ -271,17 +272,21 @@ class Relay:
             raise InvalidRequest(f"request body nests deeper than {MAX_DEPTH} levels", code="nesting_too_deep")
         return dumps_exact(body)
 
-    @staticmethod
-    def _ask_for_tokens(route: str, body: dict[str, Any]) -> None:
-        # vLLM returns exact prompt and completion token IDs on request; logprobs make
-        # off-policy correction possible. A client's own logprob settings are kept.
-        if route == Route.RESPONSES:
-            _ask_for_response_tokens(body)
+    def _ask_for_tokens(self, call: CallState, body: dict[str, Any]) -> None:
+        # vLLM returns exact prompt and completion token IDs on request, at no measurable cost;
+        # the sampled tokens' logprobs (for off-policy correction and the mismatch metric) cost
+        # a CPU-bound front end throughput, so `proxy.rollout_logprobs` decides. A client's own
+        # logprob settings are kept either way.
+        logprobs = _wants_rollout_logprobs(self._settings, call.rollout_id, call.attempt_id)
+        if call.route == Route.RESPONSES:
+            _ask_for_response_tokens(body, logprobs=logprobs)
             return
         body["return_token_ids"] = True
-        if route == Route.CHAT and not body.get("logprobs"):
+        if not logprobs:
+            return
+        if call.route == Route.CHAT and not body.get("logprobs"):
             body["logprobs"] = True
-        elif route == Route.COMPLETIONS and body.get("logprobs") is None:
+        elif call.route == Route.COMPLETIONS and body.get("logprobs") is None:
             body["logprobs"] = 0  # the sampled token's logprob, no alternatives
 
     async def _relay_whole(self, call: CallState, upstream: aiohttp.ClientResponse, content_type: str) -> Response:
@@ -449,3 +454,16 @@ def _fill_response(record: CallRecord, call: CallState) -> None:
     elif record.status == CallStatus.UPSTREAM_ERROR and isinstance(response, dict):
         error = response.get("error", response)
         record.error = error if isinstance(error, dict) else {"message": str(error)}
+
+
+def _wants_rollout_logprobs(settings: ProxySettings, rollout_id: str | None, attempt_id: str | None) -> bool:
+    """Whether a recorded call asks the replica for its tokens' logprobs (`proxy.rollout_logprobs`).
+
+    `sample` decides per attempt, from a hash of its ids: all of an attempt's calls carry logprobs
+    or none do (the trainer merges an attempt's calls into one sample), and every proxy decides alike.
+    """
+    mode = settings.rollout_logprobs
+    if mode != "sample":
+        return mode == "on"
+    key = f"{rollout_id}\x00{attempt_id}".encode()
+    return zlib.crc32(key) < settings.rollout_logprobs_rate * 2**32

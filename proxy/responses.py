@@ -26,10 +26,12 @@ _FINAL_EVENTS = frozenset({"response.completed", "response.incomplete", "respons
 _START_EVENTS = frozenset({"response.created", "response.in_progress"})
 
 
-def ask_for_tokens(body: Json) -> None:
-    """Ask the replica for prompt and output token IDs and the output's logprobs (a client's own
-    `include` entries are kept)."""
+def ask_for_tokens(body: Json, *, logprobs: bool) -> None:
+    """Ask the replica for prompt and output token IDs and, with `logprobs`, the output's logprobs
+    (a client's own `include` entries are kept)."""
     body["enable_response_messages"] = True
+    if not logprobs:
+        return
     include = body.get("include")
     include = list(include) if isinstance(include, list) else []
     if LOGPROBS_INCLUDE not in include:

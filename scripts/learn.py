@@ -342,7 +342,7 @@ def main() -> None:
         deadline = started + args.minutes * 60
         version = _active_version(proxy_url)
         with httpx.Client(timeout=300, limits=httpx.Limits(max_connections=64)) as http, \
-                ThreadPoolExecutor(max_workers=16) as pool:
+                ThreadPoolExecutor(max_workers=min(64, args.groups * args.group_size)) as pool:
             while version < args.steps and time.monotonic() < deadline:
                 t = time.monotonic()
                 if args.task == "letter":

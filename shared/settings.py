@@ -300,6 +300,19 @@ class ProxySettings(BaseModel):
     cluster: ClusterSettings = Field(default_factory=ClusterSettings)
     tracing: TracingSettings = Field(default_factory=TracingSettings)
     sampling: SamplingSettings = Field(default_factory=SamplingSettings)
+    rollout_logprobs: Literal["on", "off", "sample"] = Field(
+        default="on",
+        description="Ask the replica for each generated token's logprob on recorded calls: `on` (every call), "
+        "`off` (token IDs only), `sample` (the attempts `rollout_logprobs_rate` picks, all of an attempt's calls "
+        "or none). The trainer recomputes the old policy's logprobs itself; the replica's are only needed for "
+        "off-policy correction (`trainer.rollout_is`) and the train/replica mismatch metric, and on a CPU-bound "
+        "vLLM front end they cost throughput (docs/gpu-results.md). An agent's own `logprobs` request is kept.",
+    )
+    rollout_logprobs_rate: float = Field(
+        default=0.0625, ge=0.0, le=1.0,
+        description="With `rollout_logprobs = sample`: the share of attempts asked for logprobs (picked by a hash "
+        "of the rollout and attempt ids, so every proxy picks alike).",
+    )
     litellm_config: Path | None = Field(
         default=None,
         description="YAML file with a LiteLLM `model_list`: hosted models (OpenAI, Anthropic, Azure, any "

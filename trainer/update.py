@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
 import shutil
 import time
@@ -48,6 +49,8 @@ if TYPE_CHECKING:
     from tensordict import TensorDict  # type: ignore[import-untyped]
 
 __all__ = ["CheckpointError", "PolicyUpdater", "dp_order", "start_ray"]
+
+logger = logging.getLogger(__name__)
 
 # The tensors of a Batch the engine reads; the rest (rewards, flags) stays in the driver.
 _ENGINE_KEYS = (
@@ -325,6 +328,15 @@ class PolicyUpdater:
         replica_lp = t["rollout_log_probs"]
         mismatch = algos.logprob_mismatch(old_lp, replica_lp, mask, has_lp)
         metrics.update({f"mismatch/{k}": v for k, v in mismatch.items()})
+        # Rows whose calls came without replica logprobs (`proxy.rollout_logprobs` off or not
+        # sampled, hosted or re-tokenised calls): no importance weight, no share in the mismatch.
+        without = int(((mask.sum(-1) > 0) & ~has_lp.bool()).sum())
+        metrics["rows_without_rollout_logprobs"] = without
+        if without:
+            logger.info("%d of %d rows carry no replica logprobs: the train/replica mismatch is %s and %s",
+                        without, int((mask.sum(-1) > 0).sum()),
+                        "measured on the others" if mismatch else "not reported this step",
+                        "they get no importance correction" if s.rollout_is != "off" else "no correction is on")
         if mismatch:
             metrics["logprob_mismatch"] = mismatch["abs_diff_mean"]
         if s.rollout_is != "off":

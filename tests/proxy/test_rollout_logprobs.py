@@ -1,0 +1,105 @@
+"""`proxy.rollout_logprobs`: what a recorded call asks the replica for (on, off, a sample of attempts).
+
+Token IDs are always asked for; the sampled tokens' logprobs only as the setting says, and an
+agent's own `logprobs` request is kept whatever it says.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from proxy.responses import LOGPROBS_INCLUDE
+from tests.conftest import ProxyFactory
+from tests.support.fault_replica import FaultReplica
+from tests.support.servers import serve_in_thread
+
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+def _asked(body: dict[str, Any]) -> tuple[bool, Any]:
+    return body.get("return_token_ids") is True, body.get("logprobs")
+
+
+def test_off_asks_for_token_ids_only_and_keeps_the_agents_own_request(proxy_for: ProxyFactory) -> None:
+    replica = FaultReplica()
+    with serve_in_thread(replica) as (url, _), proxy_for([url], rollout_logprobs="off") as proxy:
+        client = openai.OpenAI(base_url=proxy.base_url("r-off", "a0"), api_key="k", max_retries=0)
+        client.chat.completions.create(model="m", messages=MESSAGES)  # type: ignore[arg-type]
+        client.chat.completions.create(model="m", messages=MESSAGES, logprobs=True)  # type: ignore[arg-type]
+        httpx.post(f"{proxy.base_url('r-off', 'a0')}/completions", json={"model": "m", "prompt": "x"}
+                   ).raise_for_status()
+        httpx.post(f"{proxy.base_url('r-off', 'a0')}/responses", json={"model": "m", "input": "x"}
+                   ).raise_for_status()
+        calls = httpx.get(f"{proxy.url}/rollout/r-off/attempt/a0").json()["calls"]
+    chat, own, completion, response = replica.stats.bodies
+    assert _asked(chat) == (True, None)
+    assert _asked(own) == (True, True)  # the agent asked: kept
+    assert _asked(completion) == (True, None)
+    assert response["enable_response_messages"] is True and LOGPROBS_INCLUDE not in (response.get("include") or [])
+    # The record holds what the replica was asked, so the trainer knows logprobs were not.
+    assert [c["request"].get("logprobs") for c in calls[:3]] == [None, True, None]
+
+
+def test_on_asks_every_route_for_logprobs(proxy_for: ProxyFactory) -> None:
+    replica = FaultReplica()
+    with serve_in_thread(replica) as (url, _), proxy_for([url], rollout_logprobs="on") as proxy:
+        client = openai.OpenAI(base_url=proxy.base_url("r-on", "a0"), api_key="k", max_retries=0)
+        client.chat.completions.create(model="m", messages=MESSAGES)  # type: ignore[arg-type]
+        httpx.post(f"{proxy.base_url('r-on', 'a0')}/completions", json={"model": "m", "prompt": "x"}
+                   ).raise_for_status()
+        httpx.post(f"{proxy.base_url('r-on', 'a0')}/responses", json={"model": "m", "input": "x"}
+                   ).raise_for_status()
+    chat, completion, response = replica.stats.bodies
+    assert _asked(chat) == (True, True)
+    assert _asked(completion) == (True, 0)  # the sampled token's logprob, no alternatives
+    assert LOGPROBS_INCLUDE in response["include"]
+
+
+def test_sample_picks_whole_attempts_alike_on_every_proxy(proxy_for: ProxyFactory) -> None:
+    replica = FaultReplica()
+    attempts = [(f"r-s{i // 4}", f"a{i % 4}") for i in range(48)]
+    picked: list[dict[tuple[str, str], bool]] = []
+    with serve_in_thread(replica) as (url, _):
+        for _proxy in range(2):  # two proxies one after the other, on the same ids
+            replica.stats.bodies.clear()
+            with proxy_for([url], rollout_logprobs="sample", rollout_logprobs_rate=0.5) as proxy, \
+                    httpx.Client(timeout=60) as http:
+                for rollout, attempt in attempts:
+                    for _turn in range(2):
+                        http.post(f"{proxy.base_url(rollout, attempt)}/chat/completions",
+                                  json={"model": "m", "messages": MESSAGES}).raise_for_status()
+            asked = [_asked(b)[1] is True for b in replica.stats.bodies]
+            assert all(_asked(b)[0] for b in replica.stats.bodies)
+            # Both calls of an attempt decide alike: the trainer merges them into one sample.
+            assert asked[0::2] == asked[1::2]
+            picked.append(dict(zip(attempts, asked[0::2], strict=True)))
+    assert picked[0] == picked[1]
+    share = sum(picked[0].values()) / len(attempts)
+    assert 0.25 <= share <= 0.75, share
+
+
+@pytest.mark.vllm
+def test_off_records_token_ids_without_logprobs_on_a_real_replica(vllm_replica: Any, proxy_for: ProxyFactory) -> None:
+    with proxy_for([vllm_replica.url], rollout_logprobs="off") as proxy:
+        client = openai.OpenAI(base_url=proxy.base_url("r-real", "a0"), api_key="k")
+        out = client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=8)  # type: ignore[arg-type]
+        assert out.choices[0].logprobs is None  # the agent did not ask and gets none
+        call = httpx.get(f"{proxy.url}/rollout/r-real/attempt/a0").json()["calls"][0]
+    assert call["status"] == "ok"
+    assert call["completion_token_ids"] and call["prompt_token_ids"]
+    assert call["completion_logprobs"] is None
+
+
+def test_the_rate_is_a_share() -> None:
+    from pydantic import ValidationError
+
+    from shared.settings import ProxySettings
+
+    with pytest.raises(ValidationError):
+        ProxySettings(rollout_logprobs="sample", rollout_logprobs_rate=1.5)
+    with pytest.raises(ValidationError):
+        ProxySettings(rollout_logprobs="sometimes")  # type: ignore[arg-type]
