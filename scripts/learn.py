@@ -172,12 +172,12 @@ def arithmetic_task(version: int, group: int, max_operand: int = 20) -> Arithmet
 
 
 def arithmetic_attempt(proxy_url: str, rollout_id: str, attempt_id: str, task: ArithmeticTask, *,
-                       max_tokens: int, http: httpx.Client) -> Attempt:
+                       max_tokens: int, http: httpx.Client, temperature: float = 1.0) -> Attempt:
     """One single-turn attempt: ask, score with `examples.agent.score`, report the reward with `finish`."""
     base_url = f"{proxy_url}/rollout/{rollout_id}/attempt/{attempt_id}/v1"
     client = openai.OpenAI(base_url=base_url, api_key=AGENT_KEY, max_retries=3, http_client=http)
     out = client.chat.completions.create(model="policy", messages=[{"role": "user", "content": task.question}],
-                                         max_tokens=max_tokens, temperature=1.0)
+                                         max_tokens=max_tokens, temperature=temperature)
     reply = out.choices[0].message.content or ""
     reward = arithmetic_score(task, reply)
     http.post(f"{proxy_url}/rollout/{rollout_id}/attempt/{attempt_id}/finish",
@@ -264,6 +264,10 @@ def main() -> None:
     parser.add_argument("--kl-coef", type=float, default=0.0, help="KL-to-reference loss weight (the base model: "
                         "the adapter switched off)")
     parser.add_argument("--clip-ratio", type=float, default=0.2, help="PPO clip range, both sides")
+    parser.add_argument("--clip-high", type=float, default=None, help="PPO upper clip range (DAPO's clip-higher; "
+                        "default: --clip-ratio)")
+    parser.add_argument("--temperature", type=float, default=1.0, help="the agents' sampling temperature (the "
+                        "trainer recomputes logprobs at each sample's own temperature)")
     parser.add_argument("--no-std-norm", action="store_true", help="GRPO advantages without the division by the "
                         "group's std (Dr. GRPO)")
     parser.add_argument("--plot", type=Path, default=None, help="write the reward/entropy curve PNG here "
@@ -330,7 +334,7 @@ def main() -> None:
             groups=args.groups, proxy=proxy_url, token=TOKEN, mini_batch=args.mini_batch,
             micro_batch=args.micro_batch, lr=args.lr, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
             seed=args.seed, ppo_epochs=args.ppo_epochs, entropy_coeff=args.entropy_coeff, kl_coef=args.kl_coef,
-            clip_low=args.clip_ratio, clip_high=args.clip_ratio, norm_adv=str(not args.no_std_norm).lower()))
+            clip_low=args.clip_ratio, clip_high=args.clip_high or args.clip_ratio, norm_adv=str(not args.no_std_norm).lower()))
         trainer_log = open(args.workdir / "trainer.log", "wb")  # noqa: SIM115
         trainer = subprocess.Popen([str(bin_dir / "rolltap-trainer"), "run", "--config", str(config)],
                                    env=env, stdout=trainer_log, stderr=subprocess.STDOUT)
@@ -351,13 +355,14 @@ def main() -> None:
                         for g in range(args.groups) for k in range(args.group_size)]
                     attempts = [Attempt(r) for r in pool.map(
                         lambda j: run_attempt(proxy_url, j[0], j[1], j[2], api_key=AGENT_KEY, max_tokens=args.max_tokens,
-                                              http=http, seed=_request_seed(args.seed, j[0], j[1])),
+                                              http=http, temperature=args.temperature, seed=_request_seed(args.seed, j[0], j[1])),
                         jobs)]
                 else:
                     jobs = [(f"v{version}-t{g}", str(k), arithmetic_task(version, g, args.max_operand))
                             for g in range(args.groups) for k in range(args.group_size)]
                     attempts = list(pool.map(lambda j: arithmetic_attempt(
-                        proxy_url, j[0], j[1], j[2], max_tokens=args.max_tokens, http=http), jobs))
+                        proxy_url, j[0], j[1], j[2], max_tokens=args.max_tokens, http=http,
+                        temperature=args.temperature), jobs))
                 rollout_s = time.monotonic() - t
                 _wait(lambda: _active_version(proxy_url) > version, 900, "the trainer's next version", trainer)
                 tokens = [a.completion_tokens for a in attempts if a.completion_tokens is not None]
