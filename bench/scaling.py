@@ -39,20 +39,12 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-import httpx
 import psycopg
 
+from bench.harness import cpu_seconds, free_port, wait_ready
 from bench.instant_replica import start_instant_replica
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _load(url: str, agents: int, first: int, warmup_s: float, duration_s: float) -> dict[str, Any]:
@@ -105,14 +97,7 @@ def _load(url: str, agents: int, first: int, warmup_s: float, duration_s: float)
 
 def _cpu_s(pids: list[int]) -> float:
     """utime + stime of these processes and their children that were waited for."""
-    total = 0
-    for pid in pids:
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except FileNotFoundError:
-            continue
-        total += sum(int(v) for v in fields[11:15])  # utime stime cutime cstime
-    return total / os.sysconf("SC_CLK_TCK")
+    return sum(cpu_seconds(pid, waited_children=True) for pid in pids)
 
 
 def _children(pid: int) -> list[int]:
@@ -153,7 +138,7 @@ class _Postgres:
 def _run_one(workers: int, replicas: list[str], pg: _Postgres, args: argparse.Namespace,
              workdir: Path) -> dict[str, Any]:
     name, db_url = pg.create()
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLTAP_")}
     env.update({"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])), "ROLLTAP_PROXY__OPEN_ACCESS": "true", "ROLLTAP_PROXY__LOG_LEVEL": "warning",
@@ -164,23 +149,12 @@ def _run_one(workers: int, replicas: list[str], pg: _Postgres, args: argparse.Na
     cmd = [sys.executable, "-m", "proxy.main", "--db", db_url, "--port", str(port), "--workers", str(workers)]
     for replica in replicas:
         cmd += ["--replica", replica]
-    log = open(workdir / f"proxy-{workers}.log", "wb")
+    log_path = workdir / f"proxy-{workers}.log"
+    log = open(log_path, "wb")
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 120
-        while True:
-            if proc.poll() is not None:
-                log.flush()
-                tail = Path(log.name).read_text(errors="replace")[-3000:]
-                raise RuntimeError(f"proxy exited {proc.returncode}; {log.name}:\n{tail}")
-            try:
-                if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("proxy did not start")
-            time.sleep(0.1)
+        wait_ready(url, "/healthz", proc, 120.0, log_path=log_path, poll_s=0.1)
         # Every worker has joined once the registry holds N live rows.
         while True:
             with psycopg.connect(db_url) as conn:
