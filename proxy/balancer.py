@@ -277,6 +277,8 @@ class Balancer:
             self._unbind(rollout_id)
         self._rebuild_ring()
         replica.drained.set()
+        if replica.ejection is not None and self.on_health_change is not None:
+            self.on_health_change()  # its shared ejection goes with it
         logger.info("replica %s removed", url)
         return replica
 
