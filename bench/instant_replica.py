@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import http.client
 import itertools
 import os
 import re
@@ -52,6 +51,8 @@ from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from typing import Any, Final, Literal, cast
 
 import orjson
+
+from bench.harness import REPO_ROOT, listen, stop_process, wait_ready
 
 Impl = Literal["protocol", "asgi"]
 
@@ -686,15 +687,6 @@ def _serve_asgi(sock: socket.socket, replica: Replica, opts: _Options) -> None:
 # ---------------------------------------------------------------------------
 
 
-def _listen(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(2048)
-    return sock
-
-
 def exit_with_parent(parent_pid: int, interval_s: float = 1.0) -> None:
     """SIGTERM this process once ``parent_pid`` is gone (polled from a daemon thread).
 
@@ -745,27 +737,6 @@ def serve(
         uvloop.run(_serve_protocol(sock, replica, opts))
 
 
-def _wait_healthy(host: str, port: int, proc: subprocess.Popen[bytes], timeout: float) -> None:
-    # http.client rather than urllib: urllib honours http_proxy env vars.
-    deadline = time.monotonic() + timeout
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"instant replica exited with code {proc.returncode} during startup")
-        try:
-            conn = http.client.HTTPConnection(host, port, timeout=1.0)
-            try:
-                conn.request("GET", "/health")
-                if conn.getresponse().status == 200:
-                    return
-            finally:
-                conn.close()
-        except OSError:
-            pass
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"instant replica on port {port} not healthy after {timeout} s")
-        time.sleep(0.02)
-
-
 def start_instant_replica(
     port: int = 0,
     *,
@@ -786,7 +757,7 @@ def start_instant_replica(
     refused" instead of a hang. ``stop()`` is idempotent: SIGTERM, then SIGKILL
     after 5 s. ``cpus`` pins the child (``os.sched_setaffinity``).
     """
-    sock = _listen(host, port)
+    sock = listen(host, port)
     actual_port = sock.getsockname()[1]
     fd = sock.fileno()
     cmd = [
@@ -808,27 +779,25 @@ def start_instant_replica(
     if split_stream:
         cmd.append("--split-stream")
     try:
-        proc = subprocess.Popen(cmd, pass_fds=(fd,), stdin=subprocess.DEVNULL)
+        # The child runs this file as a script (its command line names it: bench.proxy_overhead
+        # finds it so); the repository root on its path lets it import `bench.harness`.
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
+        proc = subprocess.Popen(cmd, pass_fds=(fd,), stdin=subprocess.DEVNULL, env=env)
     finally:
         sock.close()
     if cpus:
         os.sched_setaffinity(proc.pid, cpus)
 
     def stop() -> None:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(5)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_process(proc)
 
+    url = _url(host, actual_port)
     try:
-        _wait_healthy(host, actual_port, proc, startup_timeout)
+        wait_ready(url, "/health", proc, startup_timeout, poll_s=0.02)
     except BaseException:
         stop()
         raise
-    return _url(host, actual_port), stop
+    return url, stop
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -858,7 +827,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.fd is not None:
         sock = socket.socket(fileno=args.fd)  # family/type auto-detected from the fd
     else:
-        sock = _listen(args.host, args.port)
+        sock = listen(args.host, args.port)
         print(f"instant replica ({args.impl}) listening on {_url(args.host, sock.getsockname()[1])}", file=sys.stderr)
     serve(
         sock,

@@ -11,7 +11,7 @@ streamed and not, chat completions of 16 tokens:
   uvicorn) can do here, so it bounds every "× direct" a uvicorn-served proxy can reach;
 * ``bare``     -- wrk -> the least a Python relay can do: a Starlette route under uvicorn forwarding
   the bytes through one ``aiohttp.ClientSession`` (the proxy's client), no parsing, no recording
-  (``bench.upstream_client serve --client aiohttp``). Rolltap's CPU per call over this one's is
+  (``bench.bare_forward``). Rolltap's CPU per call over this one's is
   its overhead target (<= 1.25x non-streamed, <= 1.1x streamed, recording included);
 * ``sqlite``   -- wrk -> ``rolltap-proxy`` (the real CLI, a subprocess) recording to SQLite;
 * ``postgres`` -- the same, recording to PostgreSQL (a fresh database, dropped afterwards);
@@ -67,9 +67,7 @@ import datetime
 import http.client
 import json
 import os
-import platform
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -79,7 +77,17 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from bench.bare_forward import start_bare_forward
+from bench.harness import (
+    REPO_ROOT,
+    WRK_LUA,
+    free_port,
+    machine,
+    run_wrk,
+    terminate_group,
+    wait_ready,
+)
+
 MODEL = "tiny"
 ALL_TARGETS = ("direct", "floor", "bare", "sqlite", "postgres", "litellm", "agl")
 LABELS = {
@@ -93,62 +101,6 @@ LABELS = {
 }
 RECORDING = ("sqlite", "postgres")
 
-# wrk: POST the body; with RT_PATH_FMT, a per-request path ("%d" = the attempt index, one per
-# connection on average); count every request written (`sent`) so the databases can be checked
-# against it; with RT_COLLECT, keep every x-rolltap-overhead-ms header value.
-_WRK_LUA = r"""
-wrk.method = "POST"
-wrk.body = os.getenv("RT_BODY")
-wrk.headers["Content-Type"] = "application/json"
-wrk.headers["Authorization"] = "Bearer " .. os.getenv("RT_AGENT_KEY")
-local fmt = os.getenv("RT_PATH_FMT")
-local attempts = tonumber(os.getenv("RT_ATTEMPTS") or "1")
-sent = 0
-ovh = {}
-local threads = {}
-
-setup = function(thread)
-  table.insert(threads, thread)
-end
-
-request = function()
-  sent = sent + 1
-  if fmt then
-    return wrk.format(nil, string.format(fmt, sent % attempts))
-  end
-  return wrk.format()
-end
-
-if os.getenv("RT_COLLECT") then
-  response = function(status, headers, body)
-    local v = headers["x-rolltap-overhead-ms"]
-    if v then ovh[#ovh + 1] = tonumber(v) end
-  end
-end
-
-done = function(summary, latency, requests)
-  -- wrk calls request() once more, on the first thread, to check the request before
-  -- starting (script_verify_request): that call sends nothing.
-  local total_sent = -1
-  local values = {}
-  for _, t in ipairs(threads) do
-    total_sent = total_sent + t:get("sent")
-    local o = t:get("ovh")
-    if o then for _, v in ipairs(o) do values[#values + 1] = v end end
-  end
-  table.sort(values)
-  local function pct(p)
-    if #values == 0 then return -1 end
-    return values[math.max(1, math.ceil(#values * p / 100))]
-  end
-  local e = summary.errors
-  io.write(string.format(
-    'RT_RESULT {"requests":%d,"sent":%d,"duration_us":%d,"errors":%d,"non2xx":%d,' ..
-    '"p50_us":%.1f,"p99_us":%.1f,"mean_us":%.1f,"ovh_n":%d,"ovh_p50":%.4f,"ovh_p90":%.4f,"ovh_p99":%.4f}\n',
-    summary.requests, total_sent, summary.duration, e.connect + e.read + e.write + e.timeout, e.status,
-    latency:percentile(50), latency:percentile(99), latency.mean, #values, pct(50), pct(90), pct(99)))
-end
-"""
 
 
 # =============================================================================
@@ -172,14 +124,6 @@ class Server:
     rollouts: dict[str, int] = dataclasses.field(default_factory=dict)  # rollout id -> requests sent
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 # Rolltap's agent key (proxy.agent_key): every call is authenticated, as in production.
 AGENT_KEY = "rk-bench-" + os.urandom(16).hex()
 os.environ["RT_AGENT_KEY"] = AGENT_KEY  # read by the wrk script
@@ -200,37 +144,6 @@ def _http(method: str, base: str, path: str, body: Any = None, timeout: float = 
         conn.close()
 
 
-def _wait_ready(base: str, path: str, proc: subprocess.Popen[bytes], timeout: float, log_path: Path) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{base} exited with {proc.returncode} during start-up; see {log_path}:\n"
-                               + log_path.read_text(errors="replace")[-3000:])
-        try:
-            if _http("GET", base, path, timeout=2.0)[0] == 200:
-                return
-        except OSError:
-            pass
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{base}{path} not ready after {timeout:.0f} s; see {log_path}")
-        time.sleep(0.1)
-
-
-def _terminate(proc: subprocess.Popen[bytes], timeout: float = 60.0) -> int:
-    """SIGTERM the process group (a CLI may have children), wait; SIGKILL past the deadline."""
-    if proc.poll() is None:
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    return proc.returncode
-
-
 def _spawn(cmd: list[str], *, env: dict[str, str], cwd: Path, log_path: Path, cpu: int | None) -> subprocess.Popen[bytes]:
     if cpu is not None:
         cmd = ["taskset", "-c", str(cpu), *cmd]  # children (workers) inherit the affinity
@@ -247,7 +160,7 @@ def _base_env() -> dict[str, str]:
 
 
 def start_rolltap(kind: str, replica: str, db_url: str, work: Path, cpu: int | None) -> Server:
-    port = _free_port()
+    port = free_port()
     base = f"http://127.0.0.1:{port}"
     spool = work / f"spool-{kind}"
     log_path = work / f"rolltap-{kind}.log"
@@ -257,10 +170,10 @@ def start_rolltap(kind: str, replica: str, db_url: str, work: Path, cpu: int | N
     exe = [str(script)] if script.exists() else [sys.executable, "-m", "proxy.main"]
     cmd = [*exe, "--replica", replica, "--db", db_url, "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
     proc = _spawn(cmd, env=env, cwd=work, log_path=log_path, cpu=cpu)
-    _wait_ready(base, "/readyz", proc, 60.0, log_path)
+    wait_ready(base, "/readyz", proc, 60.0, log_path=log_path, poll_s=0.1)
 
     def stop() -> None:
-        rc = _terminate(proc)
+        rc = terminate_group(proc)
         if rc != 0:
             print(f"# WARNING: rolltap-proxy ({kind}) exited with {rc}; see {log_path}", file=sys.stderr)
         if spool.is_dir() and any(spool.rglob("*.jsonl")):
@@ -271,7 +184,7 @@ def start_rolltap(kind: str, replica: str, db_url: str, work: Path, cpu: int | N
 
 
 def start_litellm(replica: str, venv: Path, work: Path, cpu: int | None) -> Server:
-    port = _free_port()
+    port = free_port()
     base = f"http://127.0.0.1:{port}"
     cfg = work / "litellm.yaml"
     cfg.write_text(
@@ -300,20 +213,20 @@ def start_litellm(replica: str, venv: Path, work: Path, cpu: int | None) -> Serv
     cmd = [str(venv / "bin" / "litellm"), "--config", str(cfg), "--host", "127.0.0.1", "--port", str(port),
            "--num_workers", "1", "--telemetry", "False"]
     proc = _spawn(cmd, env=env, cwd=work, log_path=log_path, cpu=cpu)
-    _wait_ready(base, "/health/liveliness", proc, 180.0, log_path)
-    return Server("litellm", base, lambda rid: None, "/v1/chat/completions", proc, lambda: _terminate(proc, 20))
+    wait_ready(base, "/health/liveliness", proc, 180.0, log_path=log_path, poll_s=0.1)
+    return Server("litellm", base, lambda rid: None, "/v1/chat/completions", proc, lambda: terminate_group(proc, 20))
 
 
 def start_agl(replica: str, venv: Path, work: Path, cpu: int | None) -> Server:
     log_path = work / "agl.log"
 
     def spawn() -> tuple[str, subprocess.Popen[bytes]]:
-        port = _free_port()
+        port = free_port()
         base = f"http://127.0.0.1:{port}"
         cmd = [str(venv / "bin" / "agl-server"), "host=127.0.0.1", f"port={port}", f"default_proxy.model_name={MODEL}",
                f"hydra.run.dir={work / 'agl-hydra'}", "hydra.output_subdir=null", "hydra/job_logging=disabled"]
         proc = _spawn(cmd, env=_base_env(), cwd=work, log_path=log_path, cpu=cpu)
-        _wait_ready(base, "/healthz", proc, 60.0, log_path)
+        wait_ready(base, "/healthz", proc, 60.0, log_path=log_path, poll_s=0.1)
         status, body, _ = _http("POST", base, "/api/models", [{"model": MODEL, "endpoint": f"{replica}/v1"}])
         if status != 201:
             raise RuntimeError(f"agl: registering the replica failed: {status} {body[:300]!r}")
@@ -325,7 +238,7 @@ def start_agl(replica: str, venv: Path, work: Path, cpu: int | None) -> Server:
 
     def stop() -> None:
         if srv.proc is not None:
-            _terminate(srv.proc, 20)
+            terminate_group(srv.proc, 20)
 
     def respawn() -> None:
         stop()
@@ -441,25 +354,6 @@ class Cell:
     requests: int
     ovh_p50: float | None = None
     ovh_p99: float | None = None
-
-
-def run_wrk(url: str, body: bytes, conc: int, duration_s: int, lua: str, *, path_fmt: str | None,
-            collect: bool = False, cpu: int | None = None) -> dict[str, Any]:
-    cmd = ["wrk", "-t1", f"-c{conc}", f"-d{duration_s}s", "--timeout", "10s", "-s", lua, url]
-    if cpu is not None:
-        cmd = ["taskset", "-c", str(cpu), *cmd]
-    env = dict(os.environ, RT_BODY=body.decode(), RT_ATTEMPTS=str(conc))
-    if path_fmt:
-        env["RT_PATH_FMT"] = path_fmt
-    if collect:
-        env["RT_COLLECT"] = "1"
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
-    line = next((ln for ln in out.splitlines() if ln.startswith("RT_RESULT ")), None)
-    if line is None:
-        raise RuntimeError(f"wrk printed no result:\n{out}")
-    res: dict[str, Any] = json.loads(line.removeprefix("RT_RESULT "))
-    res["rps"] = res["requests"] / (res["duration_us"] / 1e6)
-    return res
 
 
 def request_body(stream: bool, max_tokens: int) -> bytes:
@@ -674,16 +568,6 @@ def evaluate(med: dict[tuple[str, int, str], Cell]) -> list[str]:
     return out
 
 
-def _machine() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "?")
-    except OSError:
-        model = "?"
-    return (f"{os.cpu_count()} vCPU ({model}), {platform.system()} {platform.release()}, "
-            f"CPython {platform.python_version()}, load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
-
-
 def _versions(args: argparse.Namespace) -> str:
     from importlib.metadata import version
 
@@ -746,7 +630,7 @@ def main(argv: list[str] | None = None) -> int:
 
     started = datetime.datetime.now(datetime.UTC)
     header = [
-        f"# {started.isoformat(timespec='seconds')} on {_machine()}; CPUs busy before the run: "
+        f"# {started.isoformat(timespec='seconds')} on {machine()}; CPUs busy before the run: "
         + ", ".join(f"cpu{i} {b:.0%}" for i, b in enumerate(busy)),
         f"# {_versions(a)}",
         f"# command: {' '.join(['.venv/bin/python -m bench.proxy_overhead', *(argv if argv is not None else sys.argv[1:])])}",
@@ -757,7 +641,7 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(header), flush=True)
     work = Path(tempfile.mkdtemp(prefix="rolltap-overhead-"))
     lua = work / "post.lua"
-    lua.write_text(_WRK_LUA)
+    lua.write_text(WRK_LUA)
     replica_url, stop_replica = start_instant_replica(model_name=MODEL, split_stream=True,
                                                       cpus=None if a.no_pin else {a.client_cpu})
     replica_pid = _replica_pid("protocol")
@@ -776,9 +660,7 @@ def main(argv: list[str] | None = None) -> int:
                 servers.append(Server("floor", floor_url, lambda rid: None, "/v1/chat/completions", None,
                                       stop_floor, cpu_pid=_replica_pid("asgi")))
             elif t == "bare":
-                from bench.upstream_client import start_forwarder
-
-                fwd = start_forwarder("aiohttp", replica_url, 1024)
+                fwd = start_bare_forward(replica_url, 1024)
                 if pin_cpu is not None:
                     os.sched_setaffinity(fwd.proc.pid, {pin_cpu})
                 servers.append(Server("bare", fwd.url, lambda rid: None, "/v1/chat/completions", fwd.proc,

@@ -29,10 +29,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
-
+from bench.harness import WRK_LUA, run_wrk, stop_process, wait_ready
 from bench.instant_replica import start_instant_replica
-from bench.proxy_overhead import _WRK_LUA, request_body, run_wrk
+from bench.proxy_overhead import request_body
 
 ROOT = Path(__file__).resolve().parent.parent
 AGENT_KEY = "rt-bench-profile-key"
@@ -83,7 +82,7 @@ def main() -> None:
 
     work = Path(tempfile.mkdtemp(prefix="rolltap-profile-"))
     lua = work / "bench.lua"
-    lua.write_text(_WRK_LUA)
+    lua.write_text(WRK_LUA)
     replica_url, stop_replica = start_instant_replica()
     env = dict(os.environ, ROLLTAP_PROXY__OPEN_ACCESS="true", ROLLTAP_PROXY__AGENT_KEY=AGENT_KEY,
                ROLLTAP_PROXY__RECORDER__SPOOL_DIR=str(work / "spool"), RT_AGENT_KEY=AGENT_KEY)
@@ -93,13 +92,7 @@ def main() -> None:
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{args.port}"
     try:
-        for _ in range(300):
-            try:
-                if httpx.get(url + "/readyz", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
+        wait_ready(url, "/readyz", proxy, 60.0, poll_s=0.2)
         body = request_body(args.stream, 16)
         fmt = f"/rollout/profile-{int(time.time())}/attempt/a%d/v1/chat/completions"
         run_wrk(url, body, args.concurrency, 3, str(lua), path_fmt=fmt)  # warm-up, unmeasured
@@ -121,8 +114,7 @@ def main() -> None:
         if args.out:
             args.out.write_text(text)
     finally:
-        proxy.terminate()
-        proxy.wait(timeout=30)
+        stop_process(proxy, 30.0)
         stop_replica()
 
 

@@ -16,6 +16,7 @@ each run gets a database of its own there; without it a private server is starte
 
     python -m bench.scaling --workers 1,2,4,8 --out scaling.json
     python -m bench.scaling --workers 1,2 --duration 5 --database postgresql://postgres@127.0.0.1:5432/test
+    python -m bench.scaling --workers 1 --concurrency 32 --direct    # tail latency, with the replica alone
 
 Prints the JSON it writes to `--out`.
 """
@@ -39,24 +40,18 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-import httpx
 import psycopg
 
+from bench.harness import cpu_seconds, free_port, wait_ready
 from bench.instant_replica import start_instant_replica
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _load(url: str, agents: int, first: int, warmup_s: float, duration_s: float) -> dict[str, Any]:
-    """One load process: `agents` agents calling back to back; counts only the measured window."""
+def _load(url: str, agents: int, first: int, warmup_s: float, duration_s: float, *,
+          is_direct: bool = False) -> dict[str, Any]:
+    """One load process: `agents` agents calling back to back; counts only the measured window.
+    `is_direct`: `url` is a replica, called on its own path (the same load without the proxy)."""
     try:
         import uvloop
 
@@ -76,7 +71,7 @@ def _load(url: str, agents: int, first: int, warmup_s: float, duration_s: float)
             measure_from, measure_to = start + warmup_s, start + warmup_s + duration_s
 
             async def agent(i: int) -> None:
-                path = f"{url}/rollout/s{first + i}/attempt/a/v1/chat/completions"
+                path = f"{url}/v1/chat/completions" if is_direct else f"{url}/rollout/s{first + i}/attempt/a/v1/chat/completions"
                 while True:
                     t0 = time.perf_counter()
                     if t0 >= measure_to:
@@ -105,14 +100,7 @@ def _load(url: str, agents: int, first: int, warmup_s: float, duration_s: float)
 
 def _cpu_s(pids: list[int]) -> float:
     """utime + stime of these processes and their children that were waited for."""
-    total = 0
-    for pid in pids:
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except FileNotFoundError:
-            continue
-        total += sum(int(v) for v in fields[11:15])  # utime stime cutime cstime
-    return total / os.sysconf("SC_CLK_TCK")
+    return sum(cpu_seconds(pid, waited_children=True) for pid in pids)
 
 
 def _children(pid: int) -> list[int]:
@@ -150,10 +138,34 @@ class _Postgres:
             self._private.destroy()
 
 
+def _drive(url: str, args: argparse.Namespace, *, is_direct: bool = False) -> list[dict[str, Any]]:
+    """`--concurrency` agents split over `--load-processes` processes; each one's counts."""
+    loaders = args.load_processes
+    per = [args.concurrency // loaders + (1 if i < args.concurrency % loaders else 0) for i in range(loaders)]
+    with ProcessPoolExecutor(loaders) as pool:
+        futures = [pool.submit(_load, url, n, sum(per[:i]), args.warmup, args.duration, is_direct=is_direct)
+                   for i, n in enumerate(per)]
+        return [f.result() for f in futures]
+
+
+def _percentiles(latencies: list[float]) -> dict[str, float]:
+    q = statistics.quantiles(sorted(latencies), n=100) if len(latencies) >= 100 else [float("nan")] * 99
+    return {"p50_ms": round(q[49], 2), "p90_ms": round(q[89], 2), "p99_ms": round(q[98], 2)}
+
+
+def _run_direct(replica: str, args: argparse.Namespace) -> dict[str, Any]:
+    """The same agents against one replica, no proxy: what the load generator and replica cost alone."""
+    results = _drive(replica, args, is_direct=True)
+    ok = sum(r["ok"] for r in results)
+    return {"target": "direct", "concurrency": args.concurrency, "duration_s": args.duration,
+            "calls_per_s": round(ok / args.duration, 1), "errors": sum(r["errors"] for r in results),
+            **_percentiles([x for r in results for x in r["latencies_ms"]])}
+
+
 def _run_one(workers: int, replicas: list[str], pg: _Postgres, args: argparse.Namespace,
              workdir: Path) -> dict[str, Any]:
     name, db_url = pg.create()
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLTAP_")}
     env.update({"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])), "ROLLTAP_PROXY__OPEN_ACCESS": "true", "ROLLTAP_PROXY__LOG_LEVEL": "warning",
@@ -164,23 +176,12 @@ def _run_one(workers: int, replicas: list[str], pg: _Postgres, args: argparse.Na
     cmd = [sys.executable, "-m", "proxy.main", "--db", db_url, "--port", str(port), "--workers", str(workers)]
     for replica in replicas:
         cmd += ["--replica", replica]
-    log = open(workdir / f"proxy-{workers}.log", "wb")
+    log_path = workdir / f"proxy-{workers}.log"
+    log = open(log_path, "wb")
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 120
-        while True:
-            if proc.poll() is not None:
-                log.flush()
-                tail = Path(log.name).read_text(errors="replace")[-3000:]
-                raise RuntimeError(f"proxy exited {proc.returncode}; {log.name}:\n{tail}")
-            try:
-                if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("proxy did not start")
-            time.sleep(0.1)
+        wait_ready(url, "/healthz", proc, 120.0, log_path=log_path, poll_s=0.1)
         # Every worker has joined once the registry holds N live rows.
         while True:
             with psycopg.connect(db_url) as conn:
@@ -189,17 +190,12 @@ def _run_one(workers: int, replicas: list[str], pg: _Postgres, args: argparse.Na
                 break
             time.sleep(0.1)
         pids = [proc.pid, *_children(proc.pid)]
-        loaders = args.load_processes
-        per = [args.concurrency // loaders + (1 if i < args.concurrency % loaders else 0) for i in range(loaders)]
-        with ProcessPoolExecutor(loaders) as pool:
-            cpu0, wall0 = _cpu_s(pids), time.perf_counter()
-            futures = [pool.submit(_load, url, n, sum(per[:i]), args.warmup, args.duration)
-                       for i, n in enumerate(per)]
-            results = [f.result() for f in futures]
-            wall = time.perf_counter() - wall0
-            cpu = _cpu_s(pids) - cpu0
+        cpu0, wall0 = _cpu_s(pids), time.perf_counter()
+        results = _drive(url, args)
+        wall = time.perf_counter() - wall0
+        cpu = _cpu_s(pids) - cpu0
         ok = sum(r["ok"] for r in results)
-        latencies = sorted(x for r in results for x in r["latencies_ms"])
+        latencies = [x for r in results for x in r["latencies_ms"]]
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=120)
         with psycopg.connect(db_url) as conn:
@@ -207,11 +203,10 @@ def _run_one(workers: int, replicas: list[str], pg: _Postgres, args: argparse.Na
             leases = conn.execute("SELECT count(*) FROM call_leases").fetchone()[0]  # type: ignore[index]
         answered = sum(r["answered"] for r in results)
         transport_errors = sum(r["transport_errors"] for r in results)
-        q = statistics.quantiles(latencies, n=100) if len(latencies) >= 100 else [float("nan")] * 99
         return {
             "workers": workers, "concurrency": args.concurrency, "duration_s": args.duration,
             "calls_per_s": round(ok / args.duration, 1), "errors": sum(r["errors"] for r in results),
-            "p50_ms": round(q[49], 2), "p90_ms": round(q[89], 2), "p99_ms": round(q[98], 2),
+            **_percentiles(latencies),
             # CPU of the proxy processes over the whole load (warm-up included), per call.
             "proxy_cpu_s": round(cpu, 2), "proxy_cores_busy": round(cpu / wall, 2),
             # Exactly once: one record per call that got an HTTP answer (checked when no connection failed).
@@ -236,6 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--load-processes", type=int, default=max(1, min(6, (os.cpu_count() or 2) // 3)),
                         help="load generator processes")
     parser.add_argument("--database", help="PostgreSQL server URL to create databases on (default: a private one)")
+    parser.add_argument("--direct", action="store_true",
+                        help="also drive the same agents at one replica with no proxy (reported as `direct`)")
     parser.add_argument("--out", type=Path, help="write the JSON here too")
     parser.add_argument("--proxy-env", action="append", default=[], metavar="KEY=VALUE",
                         help="extra environment for the proxy (e.g. ROLLTAP_PROXY__CLUSTER__ENABLED=false with "
@@ -256,6 +253,9 @@ def main(argv: list[str] | None = None) -> int:
             replica_url, stop = start_instant_replica()
             stack.callback(stop)
             replicas.append(replica_url)
+        if args.direct:
+            report["direct"] = _run_direct(replicas[0], args)
+            print(json.dumps(report["direct"]), file=sys.stderr, flush=True)
         pg = _Postgres(args.database)
         stack.callback(pg.close)
         for n in counts:

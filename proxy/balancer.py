@@ -3,7 +3,11 @@
 `pick()` is on the hot path: no I/O, no awaits. Health is learned two ways: an active
 probe loop (`GET /health`, and `/metrics` for the replica's own queue and KV signals) and
 passive marks from the relay (connection errors eject at once, repeated 5xx after
-`eject_after_errors`). An ejected replica is re-admitted when its probe passes again.
+`eject_after_errors`). An ejected replica is re-admitted when its probe passes again
+(no sooner than `eject_hold_s` after the ejection: 0 for one process).
+With several proxies, `proxy.cluster` shares ejections: `on_health_change` tells it when
+this proxy ejects or re-admits a replica, and it sets `is_ejected_elsewhere` on the
+replicas another live proxy holds ejected.
 
 Policies (`proxy.pool.policy`):
 - `sticky_least_loaded` (default): a rollout's first call goes to the healthy replica with
@@ -31,6 +35,7 @@ import itertools
 import logging
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import orjson
@@ -64,11 +69,14 @@ class ReplicaState:
     kv_usage: float = 0.0
     rollouts: int = 0  # rollouts bound to it (sticky policy)
     calls_total: int = 0
+    ejection: str | None = None  # why this proxy ejected it (it saw it healthy, then failing)
+    ejected_at: float = 0.0  # monotonic
+    is_ejected_elsewhere: bool = False  # another live proxy holds it ejected (`proxy.cluster`)
     drained: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
     def is_available(self) -> bool:
-        return self.is_healthy and not self.is_draining
+        return self.is_healthy and not self.is_draining and not self.is_ejected_elsewhere
 
     @property
     def load(self) -> float:
@@ -77,6 +85,7 @@ class ReplicaState:
     def describe(self) -> dict[str, object]:
         return {
             "url": self.url, "weight_mode": self.weight_mode, "healthy": self.is_healthy,
+            "ejected_elsewhere": self.is_ejected_elsewhere,
             "state": "draining" if self.is_draining else "active", "in_flight": self.in_flight,
             "rollouts": self.rollouts, "calls_total": self.calls_total, "models": self.models,
             "replica_running": self.running, "replica_waiting": self.waiting, "kv_cache_usage": self.kv_usage,
@@ -102,6 +111,8 @@ class Balancer:
         self._task: asyncio.Task[None] | None = None
         self._first_probe = asyncio.Event()
         self.hash_rollouts = False  # set by the app in a cluster: see the module docstring
+        self.eject_hold_s = 0.0  # set by the app in a cluster: see `proxy.cluster`
+        self.on_health_change: Callable[[], None] | None = None
         for url in urls:
             self._replicas[url] = ReplicaState(url, weight_mode=settings.weight_mode)
         self._rebuild_ring()
@@ -210,7 +221,21 @@ class Balancer:
     def mark_unreachable(self, replica: ReplicaState, reason: str) -> None:
         if replica.is_healthy:
             logger.warning("replica %s ejected: %s", replica.url, reason)
+            replica.ejection, replica.ejected_at = reason, time.monotonic()
+            if self.on_health_change is not None:
+                self.on_health_change()
         replica.is_healthy = False
+
+    def own_ejections(self) -> dict[str, str]:
+        """The replicas this proxy ejected and has not re-admitted: url -> reason."""
+        return {r.url: r.ejection for r in self._replicas.values() if r.ejection is not None}
+
+    def set_ejected_elsewhere(self, urls: set[str]) -> None:
+        for replica in self._replicas.values():
+            if replica.is_ejected_elsewhere != (replica.url in urls):
+                replica.is_ejected_elsewhere = replica.url in urls
+                logger.warning("replica %s %s by another proxy", replica.url,
+                               "ejected" if replica.is_ejected_elsewhere else "re-admitted")
 
     def attempt_finished(self, rollout_id: str, attempt_id: str) -> None:
         """Release a rollout's binding once none of its attempts is left running."""
@@ -252,6 +277,8 @@ class Balancer:
             self._unbind(rollout_id)
         self._rebuild_ring()
         replica.drained.set()
+        if replica.ejection is not None and self.on_health_change is not None:
+            self.on_health_change()  # its shared ejection goes with it
         logger.info("replica %s removed", url)
         return replica
 
@@ -318,8 +345,14 @@ class Balancer:
             return
         replica.probe_timeouts = 0
         if not replica.is_healthy:
+            if replica.ejection is not None and time.monotonic() < replica.ejected_at + self.eject_hold_s:
+                return  # held out (a cluster): see `proxy.cluster`
             logger.info("replica %s healthy (models: %s)", replica.url, ", ".join(replica.models))
             replica.consecutive_errors = 0
+            if replica.ejection is not None:
+                replica.ejection = None
+                if self.on_health_change is not None:
+                    self.on_health_change()
         replica.is_healthy = True
         if self._settings.use_replica_metrics:
             await self._scrape(replica)

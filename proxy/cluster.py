@@ -18,6 +18,17 @@ Every proxy process (a `--workers` process, or one on another host) is a member:
 - The reaper: each member's heartbeat claims the rows of dead members and turns their
   leases into `interrupted` records, in one transaction (written idempotently by call id,
   so the dead member's own journal recovery, if it ever runs, adds nothing twice).
+- Replica ejections: a member that ejects a replica (it saw it healthy, then connection
+  errors, `eject_after_errors` 5xx in a row or failed probes) holds a `replica_ejections`
+  row and `pg_notify`s `REPLICA_CHANNEL`; every member re-reads the rows on the
+  notification (and each heartbeat) and keeps a replica that any *live* member holds
+  ejected out of its pool, so the hash ring of rollouts moves alike everywhere. Only the
+  ejecting member lifts its row: when its own probe passes again, and no sooner than
+  `eject_hold_s` after the ejection. Why this shape: re-admission by any member's probe
+  would let a replica that fails calls but passes `/health` flap in and out as members
+  disagree; a shared "until" timestamp alone would re-admit a replica still failing. A
+  dead member's rows stop counting once its heartbeat is `lease_s` old (and go with its
+  registry row), so a crash never pins a replica out.
 
 asyncpg is used directly only here, for LISTEN; everything else goes through
 `proxy.store`.
@@ -45,11 +56,12 @@ from shared.errors import ServiceUnavailable
 from shared.settings import ClusterSettings
 from shared.types import CallRecord, CallStatus
 
-__all__ = ["CHANNEL", "Cluster"]
+__all__ = ["CHANNEL", "REPLICA_CHANNEL", "Cluster"]
 
 logger = logging.getLogger(__name__)
 
 CHANNEL = "rolltap_cluster"
+REPLICA_CHANNEL = "rolltap_replicas"
 _LEASE_WAIT_S = 2.0  # longest a call's end waits for its lease row (the database is slow or gone)
 
 
@@ -79,7 +91,10 @@ class Cluster:
         self._lease_waiters: list[asyncio.Future[None]] = []
         self._lease_kick = asyncio.Event()
         self._leases_ok = True  # False while lease writes fail: calls are not held up for them
+        self._replicas_kick = asyncio.Event()
         self.reaped_total = 0
+        balancer.eject_hold_s = settings.eject_hold_s
+        balancer.on_health_change = self._replicas_kick.set
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -91,7 +106,8 @@ class Cluster:
         self._tasks = [loop.create_task(self._listen_loop(), name="rolltap-cluster-listen"),
                        loop.create_task(self._sync_loop(), name="rolltap-cluster-sync"),
                        loop.create_task(self._heartbeat_loop(), name="rolltap-cluster-heartbeat"),
-                       loop.create_task(self._lease_loop(), name="rolltap-cluster-leases")]
+                       loop.create_task(self._lease_loop(), name="rolltap-cluster-leases"),
+                       loop.create_task(self._replicas_loop(), name="rolltap-cluster-replicas")]
         logger.info("cluster: member %s (epoch %d, %s)", self.proxy_id, self.epoch,
                     "paused" if self._admission.is_paused else "admitting")
 
@@ -236,7 +252,9 @@ class Cluster:
                 closed = asyncio.Event()
                 self._listener.add_termination_listener(lambda _conn: closed.set())
                 await self._listener.add_listener(CHANNEL, lambda *_args: self._kick.set())
+                await self._listener.add_listener(REPLICA_CHANNEL, lambda *_args: self._replicas_kick.set())
                 self._kick.set()  # whatever changed while not listening
+                self._replicas_kick.set()
                 await closed.wait()
                 logger.warning("cluster: LISTEN connection lost; reconnecting")
             except asyncio.CancelledError:
@@ -263,6 +281,23 @@ class Cluster:
             except Exception as exc:  # noqa: BLE001 - the heartbeat tries again
                 logger.warning("cluster: state not read (%s)", exc.__class__.__name__)
 
+    async def _replicas_loop(self) -> None:
+        while True:
+            await self._replicas_kick.wait()
+            self._replicas_kick.clear()
+            try:
+                await self.sync_replicas()
+            except Exception as exc:  # noqa: BLE001 - the heartbeat tries again
+                logger.warning("cluster: replica ejections not shared (%s)", exc.__class__.__name__)
+
+    async def sync_replicas(self) -> None:
+        """Publish this member's ejections (notifying the others if they changed); apply theirs."""
+        async with self._engine.begin() as conn:
+            await store.set_ejections(conn, self.proxy_id, self._balancer.own_ejections(), REPLICA_CHANNEL)
+        async with self._engine.connect() as conn:
+            elsewhere = await store.ejected_elsewhere(conn, self.proxy_id, self._settings.lease_s)
+        self._balancer.set_ejected_elsewhere(elsewhere)
+
     async def _heartbeat_loop(self) -> None:
         while True:
             await asyncio.sleep(self._settings.heartbeat_s)
@@ -280,6 +315,7 @@ class Cluster:
                 self.epoch = -1
         self._leases_ok = True
         self._kick.set()
+        self._replicas_kick.set()
         await self._reap()
 
     async def _reap(self) -> None:

@@ -28,6 +28,7 @@ from shared.db.models import (
     PolicyVersion,
     Proxy,
     Replica,
+    ReplicaEjection,
     Reward,
     Rollout,
     UndurableCall,
@@ -60,11 +61,13 @@ __all__ = [
     "claim_dead_proxies",
     "count_leases",
     "deregister_proxy",
+    "ejected_elsewhere",
     "heartbeat",
     "lagging_proxies",
     "read_cluster_state",
     "register_proxy",
     "release_leases_sync",
+    "set_ejections",
 ]
 
 
@@ -453,6 +456,7 @@ async def register_proxy(conn: AsyncConnection, proxy_id: str, host: str, pid: i
 
 
 async def deregister_proxy(conn: AsyncConnection, proxy_id: str) -> None:
+    await conn.execute(delete(ReplicaEjection).where(ReplicaEjection.proxy_id == proxy_id))
     await conn.execute(delete(Proxy).where(Proxy.proxy_id == proxy_id))
 
 
@@ -523,9 +527,35 @@ async def claim_dead_proxies(conn: AsyncConnection, lease_s: float) -> list[dict
     """Remove the rows of proxies silent for `lease_s` and take their leases (call it in a
     transaction: one claimer wins; the others find nothing). Returns the leases."""
     await conn.execute(delete(Proxy).where(Proxy.heartbeat_at <= _expired(lease_s)))
+    await conn.execute(delete(ReplicaEjection).where(ReplicaEjection.proxy_id.not_in(select(Proxy.proxy_id))))
     # Leases of any proxy without a row: the ones just removed, and any left by an earlier claimer's crash.
     orphans = (await conn.execute(
         select(CallLease.__table__).where(CallLease.proxy_id.not_in(select(Proxy.proxy_id)))
         .with_for_update(skip_locked=True)
     )).mappings().all()
     return [dict(r) for r in orphans]
+
+
+async def set_ejections(conn: AsyncConnection, proxy_id: str, ejected: dict[str, str], channel: str) -> bool:
+    """Make this proxy's ejection rows exactly `ejected` (url -> reason); notify every listener on
+    commit when that changed anything. Returns whether it did."""
+    held = set((await conn.execute(
+        select(ReplicaEjection.url).where(ReplicaEjection.proxy_id == proxy_id))).scalars())
+    gone, new = held - ejected.keys(), ejected.keys() - held
+    if gone:
+        await conn.execute(delete(ReplicaEjection).where(ReplicaEjection.proxy_id == proxy_id,
+                                                         ReplicaEjection.url.in_(gone)))
+    if new:
+        await conn.execute(_insert(conn, ReplicaEjection).on_conflict_do_nothing(),
+                           [{"url": url, "proxy_id": proxy_id, "reason": ejected[url][:512]} for url in new])
+    if gone or new:
+        await conn.execute(select(func.pg_notify(channel, proxy_id)))
+    return bool(gone or new)
+
+
+async def ejected_elsewhere(conn: AsyncConnection, proxy_id: str, lease_s: float) -> set[str]:
+    """Replicas that another live proxy holds ejected."""
+    rows = await conn.execute(
+        select(ReplicaEjection.url).distinct().join(Proxy, Proxy.proxy_id == ReplicaEjection.proxy_id)
+        .where(ReplicaEjection.proxy_id != proxy_id, Proxy.heartbeat_at > _expired(lease_s)))
+    return {str(r[0]) for r in rows}

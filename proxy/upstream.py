@@ -1,7 +1,7 @@
 """The one HTTP client to the replicas, and the one place its errors are mapped.
 
-aiohttp was chosen over httpx by measurement (`bench/upstream_client.py`, results in
-`docs/benchmarks.md`). One `ClientSession` per process, keep-alive, explicit limits
+aiohttp was chosen over httpx by measurement (results in `docs/benchmarks.md`, "Upstream
+HTTP client"). One `ClientSession` per process, keep-alive, explicit limits
 and timeouts. Bodies are passed as bytes and read as bytes: nothing is re-encoded.
 """
 

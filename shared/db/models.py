@@ -47,6 +47,7 @@ __all__ = [
     "PolicyVersion",
     "Proxy",
     "Replica",
+    "ReplicaEjection",
     "Reward",
     "Rollout",
     "TrainingStep",
@@ -338,6 +339,19 @@ class CallLease(Base):
     attempt_id: Mapped[str] = mapped_column(String(ID_LEN), nullable=False)
     route: Mapped[str] = mapped_column(String(64), nullable=False)
     started_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False)
+
+
+class ReplicaEjection(Base):
+    """A replica a live proxy ejected (`proxy.cluster`): out of every proxy's pool while any live
+    proxy holds a row for it. Only the ejecting proxy deletes its row (its probe passed again
+    after the hold); a dead proxy's rows go with its registry row."""
+
+    __tablename__ = "replica_ejections"
+
+    url: Mapped[str] = mapped_column(String(512), primary_key=True)
+    proxy_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    reason: Mapped[str] = mapped_column(String(512), nullable=False)
+    ejected_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=_now())
 
 
 class ClusterState(Base):

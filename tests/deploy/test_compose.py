@@ -1,7 +1,9 @@
-"""The compose `cpu` profile, running for real: recording, a trainer step, the new policy served, a clean down.
+"""The compose `cpu` profile with the scaled proxies, running for real: calls through nginx recorded once
+by two proxies, recording, a trainer step, the new policy served, a clean down.
 
-`.ci/run` brings the stack up first (`deploy/offline/ci.sh up`); these tests drive it from the host
-through the proxy's published port, as a user's agent would, and read PostgreSQL inside its container.
+`.ci/run` brings the stack up first (`deploy/offline/ci.sh up`: docker-compose.yml with
+docker-compose.scaled.yml, two proxies behind nginx); these tests drive it from the host through
+nginx's published port, as a user's agent would, and read PostgreSQL inside its container.
 The last test takes the stack down (`docker compose down` under load) and checks that no acknowledged
 call was lost. Without a running stack they are skipped, except under `CI=true`, where a missing stack
 is a failure. This module sits in `tests/deploy/` so pytest runs it before the rest of the suite, which
@@ -41,7 +43,8 @@ class Stack:
 
 def _compose(*args: str, timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess[str]:
     env_file = ENV_FILE if ENV_FILE.is_absolute() else ROOT / ENV_FILE
-    cmd = ["docker", "compose", "--env-file", str(env_file), "--profile", "cpu", *args]
+    cmd = ["docker", "compose", "--env-file", str(env_file), "-f", "docker-compose.yml", "-f",
+           "docker-compose.scaled.yml", "--profile", "cpu", *args]
     result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     if check and result.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({result.returncode}):\n{result.stdout}\n{result.stderr}")
@@ -67,8 +70,8 @@ def stack() -> Iterator[Stack]:
     env_file = ENV_FILE if ENV_FILE.is_absolute() else ROOT / ENV_FILE
     if not env_file.is_file():
         _absent(f"no compose env file at {env_file}")
-    if not _compose("ps", "--status", "running", "-q", "proxy-cpu", check=False).stdout.strip():
-        _absent("the compose cpu profile is not running")
+    if not _compose("ps", "--status", "running", "-q", "nginx-cpu", check=False).stdout.strip():
+        _absent("the compose cpu profile (scaled) is not running")
     values = dict(line.split("=", 1) for line in env_file.read_text().splitlines() if "=" in line and line[0] != "#")
     yield Stack(f"http://127.0.0.1:{values['ROLLTAP_PORT']}", values["ROLLTAP_PROXY__AGENT_KEY"],
                 values["ROLLTAP_PROXY__ADMIN_TOKEN"])
@@ -85,6 +88,30 @@ def _served_by_replica(service: str) -> list[str]:
               "print(json.dumps([m['id'] for m in json.load(urllib.request.urlopen("
               "'http://127.0.0.1:8000/v1/models'))['data']]))")
     return list(json.loads(_compose("exec", "-T", service, "python3", "-c", script).stdout))
+
+
+def test_calls_through_nginx_land_on_both_proxies_and_are_recorded_once(stack: Stack) -> None:
+    rollout = f"lb-{uuid.uuid4().hex[:10]}"
+    upstreams: set[str] = set()
+    call_ids: list[str] = []
+    auth = {"authorization": f"Bearer {stack.agent_key}"}
+    with httpx.Client(timeout=60) as http:
+        for i in range(8):  # a new connection each: nginx round-robins requests over the proxies
+            body = {"model": "policy", "max_tokens": 4, "stream": i % 2 == 1,
+                    "messages": [{"role": "user", "content": f"lb {i}"}]}
+            r = http.post(f"{stack.url}/rollout/{rollout}/attempt/a{i % 2}/v1/chat/completions", json=body,
+                          headers={**auth, "connection": "close"})
+            assert r.status_code == 200, r.text
+            upstreams.add(r.headers["x-rolltap-upstream"])
+            call_ids.append(r.headers["x-rolltap-call-id"])
+        for attempt in ("a0", "a1"):  # `finish` through nginx: a barrier over both proxies
+            done = http.post(f"{stack.url}/rollout/{rollout}/attempt/{attempt}/finish", json={"status": "succeeded"},
+                             headers=auth)
+            assert done.status_code == 200, done.text
+    assert len(upstreams) == 2, upstreams
+    assert int(_sql("select count(*) from proxies")) >= 2  # both proxies (each with its workers) are members
+    rows = _sql(f"select call_id from calls where rollout_id = '{rollout}'").split()
+    assert sorted(rows) == sorted(call_ids)  # every call once, whichever proxy took it
 
 
 def test_a_group_is_recorded_trained_on_and_the_new_policy_served(stack: Stack) -> None:

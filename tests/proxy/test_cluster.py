@@ -19,7 +19,7 @@ import random
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,14 +51,16 @@ class Seen:
 
 
 @contextmanager
-def cluster(tmp_path: Path, n_proxies: int,
-            n_replicas: int = 2) -> Iterator[tuple[str, list[ProxyProcess], RoundRobin, str]]:
+def cluster(tmp_path: Path, n_proxies: int, n_replicas: int = 2, *, faults: list[FaultReplica] | None = None,
+            **env: str) -> Iterator[tuple[str, list[ProxyProcess], RoundRobin, str]]:
+    """`faults`: the replicas to serve (default: `n_replicas` new ones); `env`: more proxy settings."""
     with ExitStack() as stack:
         db_url = stack.enter_context(postgres_database())
-        replicas = [stack.enter_context(serve_in_thread(FaultReplica()))[0] for _ in range(n_replicas)]
+        faults = faults if faults is not None else [FaultReplica() for _ in range(n_replicas)]
+        replicas = [stack.enter_context(serve_in_thread(fault))[0] for fault in faults]
         proxies = []
         for i in range(n_proxies):
-            proxy = ProxyProcess(tmp_path / f"p{i}", db_url, replicas, free_port(), **CLUSTER_ENV)
+            proxy = ProxyProcess(tmp_path / f"p{i}", db_url, replicas, free_port(), **{**CLUSTER_ENV, **env})
             proxy.workdir.mkdir()
             stack.callback(proxy.stop)
             proxy.start()  # one after the other: the first one migrates
@@ -248,6 +250,76 @@ def test_kill9_of_one_proxy_under_load(tmp_path: Path) -> None:
         answered = {cid for _, cid, _, _ in turns if cid}
         assert all(status == "interrupted" and cid not in answered
                    for cid, status in after.items() if cid not in before)
+
+
+def test_an_ejection_on_one_proxy_reaches_the_others(tmp_path: Path) -> None:
+    """A replica failing A's calls is ejected by A; B stops routing there within a second (its
+    rollouts move to the same healthy replica on both); after the hold, A's passing probe
+    re-admits it on both and the rollouts come back."""
+    hold_s = 5.0  # long enough for 32 calls on a loaded machine while X is held out
+    x, y = FaultReplica(), FaultReplica()
+    with cluster(tmp_path, 2, faults=[x, y], ROLLTAP_PROXY__CLUSTER__EJECT_HOLD_S=str(hold_s),
+                 ROLLTAP_PROXY__HEALTH_INTERVAL_S="0.2") as (db_url, [a, b], _balancer, _lb), \
+            httpx.Client(timeout=60) as http:
+        rollouts = [f"e{k}" for k in range(16)]
+
+        def where(proxy: ProxyProcess, tag: str) -> dict[str, str]:
+            """Send one call per rollout through `proxy`; the replica (x or y) each landed on."""
+            landed = {}
+            for rid in rollouts:
+                content = f"{tag}-{rid}"
+                r = http.post(f"{proxy.url}/rollout/{rid}/attempt/a/v1/chat/completions",
+                              json={"model": "m", "messages": [{"role": "user", "content": content}]})
+                assert r.status_code == 200, r.text
+                [name] = [name for name, fault in (("x", x), ("y", y))
+                          if any(body["messages"][0]["content"] == content for body in fault.stats.bodies)]
+                landed[rid] = name
+            return landed
+
+        def replica_view(proxy: ProxyProcess) -> dict[str, object]:
+            """X as `proxy` sees it: healthy by its own marks and probes; ejected by another proxy."""
+            [seen] = [r for r in http.get(f"{proxy.url}/admin/replicas", headers=AUTH).json()["data"]
+                      if r["url"] == x_url]
+            return {"x": seen["healthy"], "x_elsewhere": seen["ejected_elsewhere"]}
+
+        before = where(b, "before")
+        assert where(a, "before-a") == before  # one binding rule on both proxies
+        assert set(before.values()) == {"x", "y"}
+        x_url = http.get(f"{a.url}/admin/replicas", headers=AUTH).json()["data"][0]["url"]  # in `faults` order
+        on_x = next(rid for rid, name in before.items() if name == "x")
+
+        # X fails A's calls (5xx, while its /health still passes): A ejects it after 3.
+        for k in range(3):
+            r = http.post(f"{a.url}/rollout/{on_x}/attempt/a/v1/chat/completions",
+                          json={"model": "m", "messages": [{"role": "user", "content": f"fail-{k}"}],
+                                "fault": {"status": 500}})
+            assert r.status_code == 500
+        ejected_at = _until(lambda: replica_view(a)["x"] is False, 5.0)
+        seen_by_b = _until(lambda: replica_view(b)["x_elsewhere"] is True, 5.0)
+        assert seen_by_b - ejected_at < 1.0, seen_by_b - ejected_at
+        assert _rows(db_url, "SELECT count(*) FROM replica_ejections") == [(1,)]
+        # While held out: every call on B and on A lands on Y; rollouts that were on Y stay.
+        during = where(b, "during")
+        assert set(during.values()) == {"y"}
+        assert where(a, "during-a") == during
+        assert time.time() - ejected_at < hold_s, "the hold ran out before the check: a slow machine"
+
+        # After the hold A's passing probe re-admits X, on both; the rollouts go back.
+        readmitted = _until(lambda: replica_view(b) == {"x": True, "x_elsewhere": False}
+                            and replica_view(a)["x"] is True, hold_s + 15.0)
+        assert readmitted - ejected_at >= hold_s - 0.3
+        assert _rows(db_url, "SELECT count(*) FROM replica_ejections") == [(0,)]
+        assert where(b, "after") == before
+        assert where(a, "after-a") == before
+
+
+def _until(check: Callable[[], bool], timeout_s: float) -> float:
+    """Poll `check` until it holds; when it did (time.time())."""
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+    return time.time()
 
 
 def test_workers_share_one_port_each_a_member(tmp_path: Path) -> None:

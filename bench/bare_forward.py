@@ -1,0 +1,157 @@
+"""The least a Python relay can do on the proxy's stack: `bare` in `bench.proxy_overhead`.
+
+A Starlette route under uvicorn (uvloop + httptools) forwarding `POST /v1/chat/completions`
+(and `/v1/completions`) to one replica through ONE shared `aiohttp.ClientSession` set up as
+the proxy's (`proxy/upstream.py`): explicit timeouts, a connection cap, keep-alive below
+vLLM's, identity encoding, no cookie jar. No parsing beyond the `stream` flag, no recording:
+Rolltap's CPU per call over this one's is what recording and routing cost.
+
+(aiohttp was chosen over httpx for the proxy by a benchmark of both clients behind this same
+app, `bench/upstream_client.py`, retired once decided: docs/benchmarks.md has its results and
+the commit that last held it.)
+
+    python -m bench.bare_forward --upstream http://127.0.0.1:8001 --port 8100
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import aiohttp
+import orjson
+import yarl
+
+from bench.harness import REPO_ROOT, listen, stop_process, wait_ready
+
+__all__ = ["BareForward", "build_app", "start_bare_forward"]
+
+# The proxy's client settings (shared/settings.py's defaults for `proxy.*_timeout_s`).
+CONNECT_TIMEOUT_S = 5.0
+READ_TIMEOUT_S = 600.0  # per socket read: a non-streamed generation sends nothing until done
+POOL_TIMEOUT_S = 30.0
+KEEPALIVE_EXPIRY_S = 4.0  # below vLLM's 5 s idle keep-alive: never reuse a socket it is closing
+UPSTREAM_HEADERS = {"content-type": "application/json", "accept-encoding": "identity"}
+
+
+def build_app(upstream: str, max_connections: int) -> Any:
+    from starlette.applications import Starlette
+    from starlette.background import BackgroundTask
+    from starlette.requests import Request
+    from starlette.responses import Response, StreamingResponse
+    from starlette.routing import Route
+
+    state: dict[str, aiohttp.ClientSession] = {}
+    urls: dict[str, yarl.URL] = {}
+
+    def url_of(path: str) -> yarl.URL:
+        url = urls.get(path)
+        if url is None:
+            url = urls[path] = yarl.URL(upstream + path)
+        return url
+
+    async def completions(request: Request) -> Response:
+        body = await request.body()
+        session = state["session"]
+        if orjson.loads(body).get("stream") is not True:
+            async with session.post(url_of(request.url.path), data=body) as r:
+                return Response(await r.read(), r.status, media_type=r.headers.get("content-type"))
+        r = await session.post(url_of(request.url.path), data=body)
+        if r.status != 200:
+            data = await r.read()
+            r.release()
+            return Response(data, r.status, media_type=r.headers.get("content-type"))
+
+        async def chunks() -> AsyncIterator[bytes]:
+            try:
+                async for chunk in r.content.iter_any():
+                    yield chunk
+            finally:
+                r.release()
+
+        async def release() -> None:  # async on purpose: Starlette runs a sync one in a thread
+            r.release()
+
+        return StreamingResponse(chunks(), r.status, media_type=r.headers.get("content-type"),
+                                 background=BackgroundTask(release))
+
+    async def health(request: Request) -> Response:
+        return Response(b"", 200)
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        # Made inside the running loop: the connector binds to it.
+        state["session"] = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=max_connections, limit_per_host=0,
+                                           keepalive_timeout=KEEPALIVE_EXPIRY_S, ttl_dns_cache=300),
+            timeout=aiohttp.ClientTimeout(total=None, connect=POOL_TIMEOUT_S, sock_connect=CONNECT_TIMEOUT_S,
+                                          sock_read=READ_TIMEOUT_S),
+            headers=UPSTREAM_HEADERS, auto_decompress=False, trust_env=False, cookie_jar=aiohttp.DummyCookieJar())
+        try:
+            yield
+        finally:
+            await state["session"].close()
+
+    return Starlette(routes=[Route("/v1/chat/completions", completions, methods=["POST"]),
+                             Route("/v1/completions", completions, methods=["POST"]),
+                             Route("/health", health, methods=["GET"])], lifespan=lifespan)
+
+
+@dataclasses.dataclass
+class BareForward:
+    url: str
+    proc: subprocess.Popen[bytes]
+
+    def stop(self) -> None:
+        stop_process(self.proc)
+
+
+def start_bare_forward(upstream: str, max_connections: int) -> BareForward:
+    """Serve `build_app` in a child process on a socket bound here; return once it answers."""
+    sock = listen()
+    port = sock.getsockname()[1]
+    cmd = [sys.executable, "-m", "bench.bare_forward", "--upstream", upstream, "--fd", str(sock.fileno()),
+           "--max-connections", str(max_connections), "--parent-pid", str(os.getpid())]
+    try:
+        proc = subprocess.Popen(cmd, pass_fds=(sock.fileno(),), cwd=REPO_ROOT, stdin=subprocess.DEVNULL)
+    finally:
+        sock.close()
+    forward = BareForward(f"http://127.0.0.1:{port}", proc)
+    try:
+        wait_ready(forward.url, "/health", proc, 20.0)
+    except BaseException:
+        forward.stop()
+        raise
+    return forward
+
+
+def main(argv: list[str] | None = None) -> None:
+    import uvicorn
+
+    from bench.instant_replica import exit_with_parent
+
+    parser = argparse.ArgumentParser(prog="python -m bench.bare_forward", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--upstream", required=True)
+    parser.add_argument("--port", type=int, default=8100)
+    parser.add_argument("--fd", type=int, default=None, help="serve on this inherited listening socket")
+    parser.add_argument("--parent-pid", type=int, default=None, help="exit when this process is gone")
+    parser.add_argument("--max-connections", type=int, default=256)
+    args = parser.parse_args(argv)
+    if args.parent_pid is not None:
+        exit_with_parent(args.parent_pid)
+    sock = socket.socket(fileno=args.fd) if args.fd is not None else socket.create_server(
+        ("127.0.0.1", args.port), backlog=2048)
+    config = uvicorn.Config(build_app(args.upstream.rstrip("/"), args.max_connections), loop="uvloop",
+                            http="httptools", lifespan="on", access_log=False, log_level="warning")
+    uvicorn.Server(config).run(sockets=[sock])
+
+
+if __name__ == "__main__":
+    main()
