@@ -58,27 +58,32 @@ def _pct(values: list[float], q: float) -> float | None:
 
 def _load(urls: list[str], extra: dict[str, Any], model: str, agents: int, first: int, warmup_s: float,
           window_s: float, max_tokens: int) -> dict[str, Any]:
-    """One load process: `agents` agents streaming back to back; what ended inside the window counts."""
-    calls: list[tuple[float, float, float, int]] = []  # start, first content, end, tokens
+    """One load process: `agents` agents streaming back to back, cut off at the window's end.
+
+    Throughput counts the content chunks (one per generated token) that arrive inside the
+    window, so calls longer than the window count too; latency counts calls that started and
+    ended inside it, time to first token calls that started inside it."""
+    tokens = 0
+    ttft: list[float] = []
+    latency: list[float] = []
     errors = 0
 
     async def main() -> None:
-        nonlocal errors
+        nonlocal errors, tokens
         t0 = time.monotonic()
         start, end = t0 + warmup_s, t0 + warmup_s + window_s
         timeout = aiohttp.ClientTimeout(total=600)
         async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as http:
             async def agent(i: int) -> None:
-                nonlocal errors
+                nonlocal errors, tokens
                 n = 0
-                while time.monotonic() < end:
+                while True:
                     url = urls[0].format(rollout=f"bench-{first + i}", attempt=n)
                     body = {"model": model, "messages": [{"role": "user", "content": PROMPTS[(first + i + n) % len(PROMPTS)]}],
-                            "max_tokens": max_tokens, "stream": True, "temperature": 1.0, "ignore_eos": True,
-                            "stream_options": {"include_usage": True}, **extra}
+                            "max_tokens": max_tokens, "stream": True, "temperature": 1.0, "ignore_eos": True, **extra}
                     n += 1
                     t_start = time.monotonic()
-                    t_first, tokens = 0.0, 0
+                    t_first = 0.0
                     try:
                         async with http.post(url, json=body) as resp:
                             if resp.status != 200:
@@ -89,21 +94,29 @@ def _load(urls: list[str], extra: dict[str, Any], model: str, agents: int, first
                                 if not line.startswith(b"data: {"):
                                     continue
                                 chunk = json.loads(line[6:])
-                                if not t_first and any((c.get("delta") or {}).get("content") for c in chunk.get("choices") or ()):
-                                    t_first = time.monotonic()
-                                if chunk.get("usage"):
-                                    tokens = int(chunk["usage"].get("completion_tokens") or 0)
+                                if any((c.get("delta") or {}).get("content") for c in chunk.get("choices") or ()):
+                                    now = time.monotonic()
+                                    if start <= now <= end:
+                                        tokens += 1
+                                    if not t_first:
+                                        t_first = now
+                                        if t_start >= start:
+                                            ttft.append(now - t_start)
                     except (aiohttp.ClientError, TimeoutError):
                         errors += 1
                         continue
                     t_end = time.monotonic()
-                    if t_start >= start and t_end <= end:
-                        calls.append((t_start, t_first or t_end, t_end, tokens))
+                    if t_start >= start:
+                        latency.append(t_end - t_start)
 
-            await asyncio.gather(*(agent(i) for i in range(agents)))
+            tasks = [asyncio.ensure_future(agent(i)) for i in range(agents)]
+            await asyncio.sleep(end - time.monotonic())
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     asyncio.run(main())
-    return {"calls": calls, "errors": errors}
+    return {"tokens": tokens, "ttft": ttft, "latency": latency, "errors": errors}
 
 
 def _window(path: str, urls: list[str], extra: dict[str, Any], args: argparse.Namespace, load: int,
@@ -113,12 +126,10 @@ def _window(path: str, urls: list[str], extra: dict[str, Any], args: argparse.Na
     futures = [pool.submit(_load, urls, extra, args.model, n, firsts[p] + load * 1000, args.warmup_s,
                            args.window_s, args.max_tokens) for p, n in enumerate(per) if n]
     results = [f.result() for f in futures]
-    calls = [c for r in results for c in r["calls"]]
-    tokens = sum(c[3] for c in calls)
-    ttft = [(c[1] - c[0]) * 1000 for c in calls]
-    latency = [(c[2] - c[0]) * 1000 for c in calls]
-    out = {"path": path, "load": load, "calls": len(calls), "errors": sum(r["errors"] for r in results),
-           "tokens_per_s": tokens / args.window_s, "ttft_ms_p50": _pct(ttft, 0.5), "ttft_ms_p99": _pct(ttft, 0.99),
+    ttft = [t * 1000 for r in results for t in r["ttft"]]
+    latency = [t * 1000 for r in results for t in r["latency"]]
+    out = {"path": path, "load": load, "calls": len(latency), "errors": sum(r["errors"] for r in results),
+           "tokens_per_s": sum(r["tokens"] for r in results) / args.window_s, "ttft_ms_p50": _pct(ttft, 0.5), "ttft_ms_p99": _pct(ttft, 0.99),
            "latency_ms_p50": _pct(latency, 0.5), "latency_ms_p99": _pct(latency, 0.99)}
     print(json.dumps(out), flush=True)
     return out
@@ -171,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
 def _run(args: argparse.Namespace) -> int:
     paths = args.paths.split(",")
     ports = {s: _free_port() for s in SETTINGS if f"proxy_{s}" in paths}
-    procs = {s: _start_proxy(s, args, port, args.logs) for s, port in ports.items()}
+    procs: dict[str, subprocess.Popen[bytes]] = {}
     direct = f"{args.replica}/v1/chat/completions"
     targets: dict[str, tuple[list[str], dict[str, Any]]] = {
         "direct": ([direct], {}),
@@ -180,7 +191,8 @@ def _run(args: argparse.Namespace) -> int:
            for s, p in ports.items()},
     }
     try:
-        for s, port in ports.items():
+        for s, port in ports.items():  # one after the other: proxies migrating one fresh database at once race
+            procs[s] = _start_proxy(s, args, port, args.logs)
             deadline = time.monotonic() + 120
             while True:
                 try:

@@ -248,6 +248,7 @@ def main() -> None:
     parser.add_argument("--db", default=None, help="the database URL for the proxy and the trainer "
                         "(default: SQLite in --workdir)")
     parser.add_argument("--task", choices=("letter", "arithmetic"), default="letter")
+    parser.add_argument("--letter", default="e", help="letter: the letter the reply should be full of")
     parser.add_argument("--max-operand", type=int, default=20, help="arithmetic: A and B are drawn from 1..N")
     parser.add_argument("--max-tokens", type=int, default=None,
                         help="max_tokens per completion (default: 16 for letter, 24 for arithmetic)")
@@ -353,7 +354,7 @@ def main() -> None:
                 t = time.monotonic()
                 if args.task == "letter":
                     jobs: list[tuple[str, str, Any]] = [
-                        (f"v{version}-t{g}", str(k), LetterTask("e", TOPICS[(version + g) % len(TOPICS)]))
+                        (f"v{version}-t{g}", str(k), LetterTask(args.letter, TOPICS[(version + g) % len(TOPICS)]))
                         for g in range(args.groups) for k in range(args.group_size)]
                     attempts = [Attempt(r) for r in pool.map(
                         lambda j: run_attempt(proxy_url, j[0], j[1], j[2], api_key=AGENT_KEY, max_tokens=args.max_tokens,
