@@ -105,6 +105,7 @@ def _next_id() -> bytes:
 _STREAM_RE: Final = re.compile(rb'"stream"\s*:\s*true')
 _MAX_TOKENS_RE: Final = re.compile(rb'"max_(?:completion_)?tokens"\s*:\s*(\d+)')
 _INCLUDE_USAGE_RE: Final = re.compile(rb'"include_usage"\s*:\s*true')
+_LOGPROBS_RE: Final = re.compile(rb'"logprobs"\s*:\s*true')
 _CONTENT_LENGTH_RE: Final = re.compile(rb"\r\ncontent-length:[ \t]*(\d+)")
 _CONNECTION_RE: Final = re.compile(rb"\r\nconnection:([^\r\n]*)")
 
@@ -181,7 +182,7 @@ class Replica:
     def __init__(self, model_name: str = DEFAULT_MODEL_NAME) -> None:
         self.model_name = model_name
         self.created = int(time.time())
-        self._cache: dict[tuple[bool, bool, int, bool], Prepared] = {}
+        self._cache: dict[tuple[bool, bool, int, bool, bool], Prepared] = {}
         self._health = Prepared(200, _JSON, [b""], streamed=False)
         self._models = Prepared(200, _JSON, [_json(self._models_body())], streamed=False)
         self._metrics = Prepared(
@@ -205,10 +206,13 @@ class Replica:
             m = _MAX_TOKENS_RE.search(body)
             n = min(max(int(m.group(1)), 1), MAX_TOKENS_CAP) if m else DEFAULT_MAX_TOKENS
             usage = stream and _INCLUDE_USAGE_RE.search(body) is not None
-            key = (is_chat, stream, n, usage)
+            # Streamed chat chunks carry logprobs only when asked, as vLLM's do (what
+            # `proxy.rollout_logprobs` changes); the other shapes always have them.
+            logprobs = not (is_chat and stream) or _LOGPROBS_RE.search(body) is not None
+            key = (is_chat, stream, n, usage, logprobs)
             prepared = self._cache.get(key)
             if prepared is None:
-                prepared = self._cache[key] = self._render(is_chat, stream, n, usage)
+                prepared = self._cache[key] = self._render(is_chat, stream, n, usage, logprobs)
             return prepared
         if method == b"GET" or method == b"HEAD":
             prepared = self._get_routes.get(path)
@@ -248,9 +252,9 @@ class Replica:
         p = len(PROMPT_TOKEN_IDS)
         return {"prompt_tokens": p, "total_tokens": p + n, "completion_tokens": n, "prompt_tokens_details": None}
 
-    def _render(self, is_chat: bool, stream: bool, n: int, usage: bool) -> Prepared:
+    def _render(self, is_chat: bool, stream: bool, n: int, usage: bool, logprobs: bool) -> Prepared:
         if is_chat:
-            return self._render_chat_stream(n, usage) if stream else self._render_chat(n)
+            return self._render_chat_stream(n, usage, logprobs) if stream else self._render_chat(n)
         return self._render_completion_stream(n, usage) if stream else self._render_completion(n)
 
     def _head(self, is_chat: bool, chunk: bool) -> dict[str, Any]:
@@ -297,7 +301,7 @@ class Replica:
         }
         return Prepared(200, _JSON, [_json(body)], streamed=False)
 
-    def _render_chat_stream(self, n: int, usage: bool) -> Prepared:
+    def _render_chat_stream(self, n: int, usage: bool, logprobs: bool) -> Prepared:
         head = self._head(True, True)
         events = [
             _sse(
@@ -321,7 +325,7 @@ class Replica:
             choice: dict[str, Any] = {
                 "index": 0,
                 "delta": {"content": text},
-                "logprobs": {"content": [self._chat_logprob(i)]},
+                "logprobs": {"content": [self._chat_logprob(i)]} if logprobs else None,
                 "finish_reason": "length" if last else None,
                 "token_ids": [tid],
             }

@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.harness import WRK_LUA, run_wrk, stop_process, wait_ready
+from bench.harness import WRK_LUA, cpu_seconds, run_wrk, stop_process, wait_ready
 from bench.instant_replica import start_instant_replica
 from bench.proxy_overhead import request_body
 
@@ -76,6 +76,7 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--duration", type=int, default=15, help="seconds sampled (wrk runs 3 s longer)")
     p.add_argument("--stream", action="store_true", help="streamed calls instead of whole ones")
+    p.add_argument("--max-tokens", type=int, default=16, help="tokens per call (one SSE chunk each, streamed)")
     p.add_argument("--port", type=int, default=8097)
     p.add_argument("--out", type=Path)
     args = p.parse_args()
@@ -93,7 +94,7 @@ def main() -> None:
     url = f"http://127.0.0.1:{args.port}"
     try:
         wait_ready(url, "/readyz", proxy, 60.0, poll_s=0.2)
-        body = request_body(args.stream, 16)
+        body = request_body(args.stream, args.max_tokens)
         fmt = f"/rollout/profile-{int(time.time())}/attempt/a%d/v1/chat/completions"
         run_wrk(url, body, args.concurrency, 3, str(lua), path_fmt=fmt)  # warm-up, unmeasured
         result: dict[str, Any] = {}
@@ -101,12 +102,18 @@ def main() -> None:
             run_wrk(url, body, args.concurrency, args.duration + 3, str(lua), path_fmt=fmt)))
         load.start()
         time.sleep(1.5)
+        cpu0, t0 = cpu_seconds(proxy.pid), time.monotonic()
         raw = subprocess.run([args.py_spy, "record", "--pid", str(proxy.pid), "--duration", str(args.duration),
                               "--rate", "100", "--format", "raw", "--output", str(work / "raw.txt"), "--nonblocking"],
                              capture_output=True, text=True, check=True)
+        cpu_s, wall_s = cpu_seconds(proxy.pid) - cpu0, time.monotonic() - t0
         load.join()
         shares = fold((work / "raw.txt").read_text())
         report = {"concurrency": args.concurrency, "stream": args.stream, "calls_per_s": round(result["rps"], 1),
+                  "max_tokens": args.max_tokens, "rollout_logprobs": env.get("ROLLTAP_PROXY__ROLLOUT_LOGPROBS", "on"),
+                  # py-spy's own sampling is charged to the proxy too: compare runs, not absolutes
+                  "proxy_cpu_us_per_call": round(cpu_s / (result["rps"] * wall_s) * 1e6, 1),
+                  "proxy_cpu_share_of_a_core": round(cpu_s / wall_s, 2),
                   "samples_file": str(work / "raw.txt"), "share_of_samples_pct": shares,
                   "py_spy": raw.stderr.strip().splitlines()[-1:] or []}
         text = json.dumps(report, indent=1)
