@@ -23,11 +23,14 @@ def _final(status: str = "completed") -> dict[str, Any]:
 
 def test_ask_for_tokens_keeps_the_clients_include() -> None:
     body = {"input": "x", "include": ["reasoning.encrypted_content"]}
-    ask_for_tokens(body)
+    ask_for_tokens(body, logprobs=True)
     assert body["enable_response_messages"] is True
     assert body["include"] == ["reasoning.encrypted_content", "message.output_text.logprobs"]
-    ask_for_tokens(body)  # idempotent
+    ask_for_tokens(body, logprobs=True)  # idempotent
     assert body["include"].count("message.output_text.logprobs") == 1
+    plain = {"input": "x", "include": ["reasoning.encrypted_content"]}
+    ask_for_tokens(plain, logprobs=False)  # `proxy.rollout_logprobs` off: token IDs only
+    assert plain == {"input": "x", "include": ["reasoning.encrypted_content"], "enable_response_messages": True}
 
 
 def test_whole_and_streamed_responses_extract_the_same_fields() -> None:
