@@ -153,9 +153,19 @@ def _wait(predicate: Any, timeout_s: float, what: str, proc: subprocess.Popen[by
         time.sleep(0.2)
 
 
-def _active_version(proxy_url: str) -> int:
-    policy = httpx.get(f"{proxy_url}/admin/policy", headers={"authorization": f"Bearer {TOKEN}"}, timeout=30).json()
-    return int(policy["version"] or 0)
+def _active_version(proxy_url: str, tries: int = 5) -> int:
+    # A proxy on a machine under heavy load (several demos at once) can take longer than a
+    # timeout to answer; a demo should wait it out, not die.
+    for attempt in range(tries):
+        try:
+            policy = httpx.get(f"{proxy_url}/admin/policy", headers={"authorization": f"Bearer {TOKEN}"},
+                               timeout=30).json()
+            return int(policy["version"] or 0)
+        except httpx.TransportError:
+            if attempt == tries - 1:
+                raise
+            time.sleep(2)
+    raise AssertionError("unreachable")
 
 
 def _ready(url: str) -> bool:
