@@ -3,7 +3,8 @@
     .venv/bin/python -m scripts.learn [--steps 40] [--minutes 60] [--out docs/learning.md]
 
 By default a tiny model made on the spot learns `examples/letter_task.py` (write text full
-of the letter "e"). `--model-dir` serves and trains another local HF model directory
+of the letter "b": the tiny tokenizer has two tokens made only of it and one that is half
+"b", where "e" has one and eighteen half-"e" tokens that trapped runs; docs/learning.md). `--model-dir` serves and trains another local HF model directory
 instead (e.g. SmolLM2-135M-Instruct converted from its GGUF, see docs/learning-smollm2.md),
 and `--task arithmetic` asks single-turn "What is A + B? Answer with just the number."
 questions scored by `examples.agent.score` (1.0 when the first number in the reply is A+B).
@@ -258,7 +259,8 @@ def main() -> None:
     parser.add_argument("--db", default=None, help="the database URL for the proxy and the trainer "
                         "(default: SQLite in --workdir)")
     parser.add_argument("--task", choices=("letter", "arithmetic"), default="letter")
-    parser.add_argument("--letter", default="e", help="letter: the letter the reply should be full of")
+    parser.add_argument("--letter", default="b", help="letter: the letter the reply should be full of (default b: "
+                        "see docs/learning.md for why not e)")
     parser.add_argument("--max-operand", type=int, default=20, help="arithmetic: A and B are drawn from 1..N")
     parser.add_argument("--max-tokens", type=int, default=None,
                         help="max_tokens per completion (default: 16 for letter, 24 for arithmetic)")
@@ -471,7 +473,8 @@ def _write_report(args: argparse.Namespace, model: Path, served_name: str, curve
         arch = json.loads((model / "config.json").read_text()).get("architectures", ["?"])[0]
         model_text = (f"`{model.relative_to(ROOT) if model.is_relative_to(ROOT) else model}` ({arch}, "
                       f"{_fmt(params / 1e6 if params else None, '.1f')}M parameters, served as `{served_name}`)")
-    task_text = ("`examples/letter_task.py` (write text full of the letter \"e\"; reward: the share of \"e\")"
+    task_text = (f"`examples/letter_task.py` (write text full of the letter \"{args.letter}\"; reward: the share "
+                 f"of \"{args.letter}\")"
                  if args.task == "letter" else
                  "single-turn arithmetic (\"What is A + B? Answer with just the number.\", A and B random in "
                  f"1..{args.max_operand} per group; reward `examples.agent.score`: 1.0 when the first number in the "
