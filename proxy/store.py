@@ -147,8 +147,8 @@ def _make_storable(row: dict[str, Any]) -> None:
     is_exact = not any(changed for _, changed, _ in safe.values())
     # ASCII or UTF-8 JSON text: storable in a TEXT column on both databases.
     row["json_exact"] = None if is_exact else dumps_exact({name: row[name] for name in _EXACT_FIELDS}).decode()
-    for name, (value, _, text) in safe.items():
-        row[name] = Encoded(text) if text is not None else value
+    for name, (value, _, encoded) in safe.items():
+        row[name] = Encoded(encoded) if encoded is not None else value
     row["usage"] = db_safe(row["usage"])[0]  # token ids and logprobs are numbers: storable as they are
     for name, max_len in _TEXT_COLUMNS.items():
         row[name] = db_safe_text(row[name], max_len)  # exact in the request or response
