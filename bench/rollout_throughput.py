@@ -33,20 +33,13 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import httpx
+
+from bench.harness import free_port, machine, stop_process, wait_ready
 
 ROOT = Path(__file__).resolve().parent.parent
 SETTINGS = ("on", "off", "sample")
 PROMPTS = [f"Write a short story about a {thing}." for thing in
            ("lighthouse", "fox", "violin", "glacier", "market", "comet", "river", "clockmaker")]
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _pct(values: list[float], q: float) -> float | None:
@@ -181,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     paths = args.paths.split(",")
-    ports = {s: _free_port() for s in SETTINGS if f"proxy_{s}" in paths}
+    ports = {s: free_port() for s in SETTINGS if f"proxy_{s}" in paths}
     procs: dict[str, subprocess.Popen[bytes]] = {}
     direct = f"{args.replica}/v1/chat/completions"
     targets: dict[str, tuple[list[str], dict[str, Any]]] = {
@@ -193,16 +186,8 @@ def _run(args: argparse.Namespace) -> int:
     try:
         for s, port in ports.items():  # one after the other: proxies migrating one fresh database at once race
             procs[s] = _start_proxy(s, args, port, args.logs)
-            deadline = time.monotonic() + 120
-            while True:
-                try:
-                    if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=2).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                if procs[s].poll() is not None or time.monotonic() > deadline:
-                    raise SystemExit(f"proxy ({s}) did not become ready; see {args.logs}/proxy-{s}.log")
-                time.sleep(0.3)
+            wait_ready(f"http://127.0.0.1:{port}", "/readyz", procs[s], 120.0,
+                       log_path=args.logs / f"proxy-{s}.log", poll_s=0.3)
         windows: list[dict[str, Any]] = []
         with ProcessPoolExecutor(args.procs) as pool:
             for load in (int(x) for x in args.loads.split(",")):
@@ -210,7 +195,7 @@ def _run(args: argparse.Namespace) -> int:
                     for path in paths:
                         windows.append({**_window(path, *targets[path], args, load, pool), "round": rnd})
         summary = _summary(windows, paths)
-        result = {"args": {k: str(v) for k, v in vars(args).items()}, "cpus": os.cpu_count(),
+        result = {"args": {k: str(v) for k, v in vars(args).items()}, "machine": machine(),
                   "windows": windows, "summary": summary}
         text = json.dumps(result, indent=1)
         print(json.dumps(summary, indent=1))
@@ -219,9 +204,7 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     finally:
         for proc in procs.values():
-            proc.terminate()
-        for proc in procs.values():
-            proc.wait(timeout=90)
+            stop_process(proc, 90.0)
 
 
 def _summary(windows: list[dict[str, Any]], paths: list[str]) -> dict[str, Any]:
