@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["REPO_ROOT", "WRK_LUA", "cpu_seconds", "free_port", "listen", "machine", "run_wrk", "stop_process",
-           "terminate_group", "wait_ready"]
+           "terminate_group", "tree_cpu_seconds", "wait_ready"]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -100,6 +100,23 @@ def cpu_seconds(pid: int, *, waited_children: bool = False) -> float:
     fields = stat[stat.rfind(b")") + 2:].split()
     ticks = sum(int(v) for v in fields[11:15 if waited_children else 13])
     return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """utime + stime of a live process and all its live descendants (forked workers, vLLM's engine)."""
+    parents: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            raw = stat.read_bytes()
+        except OSError:
+            continue
+        parents[int(stat.parent.name)] = int(raw[raw.rfind(b")") + 2:].split()[1])
+    tree, frontier = {pid}, [pid]
+    while frontier:
+        kids = [child for child, parent in parents.items() if parent in frontier]
+        tree.update(kids)
+        frontier = kids
+    return sum(cpu_seconds(p) for p in tree)
 
 
 def machine() -> str:

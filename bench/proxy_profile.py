@@ -26,6 +26,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +57,14 @@ def _bucket(frame: str) -> str | None:
     return _PACKAGES.get(top)
 
 
-def fold(raw: str) -> dict[str, float]:
+def module_bucket(frame: str) -> str:
+    """Any process: the innermost frame's file for `vllm` (its module), its top-level package otherwise."""
+    path = frame.rpartition(" (")[2].rsplit(":", 1)[0]
+    top = path.split("/", 1)[0]
+    return path if top == "vllm" else top
+
+
+def fold(raw: str, bucket: Callable[[str], str | None] = _bucket) -> dict[str, float]:
     """py-spy's raw (collapsed) output -> share of samples per bucket, innermost known frame first."""
     counts: collections.Counter[str] = collections.Counter()
     for line in raw.splitlines():
@@ -64,7 +72,7 @@ def fold(raw: str) -> dict[str, float]:
         if not stack or not n.isdigit():
             continue
         frames = stack.split(";")
-        name = next((b for f in reversed(frames) if (b := _bucket(f)) is not None), "other (interpreter, idle)")
+        name = next((b for f in reversed(frames) if (b := bucket(f)) is not None), "other (interpreter, idle)")
         counts[name] += int(n)
     total = sum(counts.values()) or 1
     return {k: round(100 * v / total, 1) for k, v in counts.most_common()}

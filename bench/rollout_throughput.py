@@ -9,10 +9,19 @@ prompts, `ignore_eos`, `max_tokens` tokens each) alternating between the paths, 
 - `direct_same_ask`: the replica asked what the proxy asks with logprobs on (token IDs, logprobs);
 - `proxy_on`, `proxy_off`, `proxy_sample`: through the proxy's templated route, one attempt per call.
 
-Per window: generated tokens/s (calls that started after the warm-up and ended inside the
-window), time to first content p50/p99, whole-call latency p50/p99. The load comes from
-`--procs` processes so the client is not the bottleneck. Ratios are taken against both direct
-paths in the same round. Prints and writes JSON (`--out`).
+Agents start staggered over the warm-up, so a window sees calls in every phase (prefill and
+decode), not one synchronised wave. Per window: generated tokens/s (content chunks that arrive
+inside it), time to first content p50/p99, whole-call latency p50/p99, and the CPU cores each
+process used in it (the proxy with its workers; the replica's API server alone and with its
+engine): that is where the time goes when a path is slower. After each window the cut-off calls
+must drain from the replica (vLLM's `num_requests_running` and `_waiting` back to 0) before the
+next one starts; the time that took is reported too (`drain_s`: how fast a client's disconnect
+stops the replica's work on that path). The load comes from `--procs` processes so the client is
+not the bottleneck. Ratios are taken against both direct paths in the same round. Prints and
+writes JSON (`--out`).
+
+Layouts: `--replicas N` starts N replicas of the model (direct calls spread over them as the
+proxy spreads its calls), `--proxy-workers N` runs each proxy with `--workers N` (PostgreSQL).
 
     python -m bench.rollout_throughput --replica http://127.0.0.1:8100 --model tiny \\
         --db 'sqlite:////tmp/rt-{name}.db' --loads 8 --window-s 5 --rounds 1 --max-tokens 32
@@ -22,8 +31,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import http.client
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -34,10 +45,12 @@ from typing import Any
 
 import aiohttp
 
-from bench.harness import free_port, machine, stop_process, wait_ready
+from bench.harness import cpu_seconds, free_port, machine, stop_process, tree_cpu_seconds, wait_ready
+from bench.proxy_profile import fold, module_bucket
 
 ROOT = Path(__file__).resolve().parent.parent
 SETTINGS = ("on", "off", "sample")
+_BUSY = re.compile(r"^vllm:num_requests_(?:running|waiting)\{[^}]*\} ([0-9.eE+-]+)$", re.M)
 PROMPTS = [f"Write a short story about a {thing}." for thing in
            ("lighthouse", "fox", "violin", "glacier", "market", "comet", "river", "clockmaker")]
 
@@ -49,9 +62,13 @@ def _pct(values: list[float], q: float) -> float | None:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
-def _load(urls: list[str], extra: dict[str, Any], model: str, agents: int, first: int, warmup_s: float,
-          window_s: float, max_tokens: int) -> dict[str, Any]:
+def _load(urls: list[str], extra: dict[str, Any], model: str, agents: range, total: int, tag: str, begin: float,
+          warmup_s: float, window_s: float, max_tokens: int) -> dict[str, Any]:
     """One load process: `agents` agents streaming back to back, cut off at the window's end.
+
+    `agents` are this process's share of the `total` agents' indices; `begin` is the wall-clock
+    time every load process starts from, and agent i starts its first call `i / total` of the
+    warm-up after it. Rollout ids carry `tag`, so no two windows share an attempt.
 
     Throughput counts the content chunks (one per generated token) that arrive inside the
     window, so calls longer than the window count too; latency counts calls that started and
@@ -63,16 +80,17 @@ def _load(urls: list[str], extra: dict[str, Any], model: str, agents: int, first
 
     async def main() -> None:
         nonlocal errors, tokens
-        t0 = time.monotonic()
+        t0 = time.monotonic() + (begin - time.time())
         start, end = t0 + warmup_s, t0 + warmup_s + window_s
         timeout = aiohttp.ClientTimeout(total=600)
         async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as http:
             async def agent(i: int) -> None:
                 nonlocal errors, tokens
+                await asyncio.sleep(max(0.0, t0 + warmup_s * i / total - time.monotonic()))
                 n = 0
                 while True:
-                    url = urls[0].format(rollout=f"bench-{first + i}", attempt=n)
-                    body = {"model": model, "messages": [{"role": "user", "content": PROMPTS[(first + i + n) % len(PROMPTS)]}],
+                    url = urls[i % len(urls)].format(rollout=f"bench-{tag}-{i}", attempt=n)
+                    body = {"model": model, "messages": [{"role": "user", "content": PROMPTS[(i + n) % len(PROMPTS)]}],
                             "max_tokens": max_tokens, "stream": True, "temperature": 1.0, "ignore_eos": True, **extra}
                     n += 1
                     t_start = time.monotonic()
@@ -102,7 +120,7 @@ def _load(urls: list[str], extra: dict[str, Any], model: str, agents: int, first
                     if t_start >= start:
                         latency.append(t_end - t_start)
 
-            tasks = [asyncio.ensure_future(agent(i)) for i in range(agents)]
+            tasks = [asyncio.ensure_future(agent(i)) for i in agents]
             await asyncio.sleep(end - time.monotonic())
             for task in tasks:
                 task.cancel()
@@ -112,20 +130,74 @@ def _load(urls: list[str], extra: dict[str, Any], model: str, agents: int, first
     return {"tokens": tokens, "ttft": ttft, "latency": latency, "errors": errors}
 
 
-def _window(path: str, urls: list[str], extra: dict[str, Any], args: argparse.Namespace, load: int,
-            pool: ProcessPoolExecutor) -> dict[str, Any]:
-    per = [load // args.procs + (1 if p < load % args.procs else 0) for p in range(args.procs)]
-    firsts = [sum(per[:p]) for p in range(args.procs)]
-    futures = [pool.submit(_load, urls, extra, args.model, n, firsts[p] + load * 1000, args.warmup_s,
-                           args.window_s, args.max_tokens) for p, n in enumerate(per) if n]
+def _window(path: str, urls: list[str], extra: dict[str, Any], args: argparse.Namespace, load: int, rnd: int,
+            pool: ProcessPoolExecutor, pids: dict[str, int]) -> dict[str, Any]:
+    begin = time.time() + 0.5  # every load process counts from here, whenever the pool starts it
+    futures = [pool.submit(_load, urls, extra, args.model, range(p, load, args.procs), load, f"{load}-{rnd}-{path}",
+                           begin, args.warmup_s, args.window_s, args.max_tokens) for p in range(min(args.procs, load))]
+    # CPU cores per process over exactly the window: the main process samples while the load runs.
+    time.sleep(max(0.0, begin + args.warmup_s - time.time()))
+    before = {name: tree_cpu_seconds(pid) if name != "replica_api" else cpu_seconds(pid) for name, pid in pids.items()}
+    spies = _spy(args, pids, f"{load}-{rnd}-{path}") if args.py_spy and rnd == args.rounds - 1 else {}
+    time.sleep(args.window_s)
+    cores = {f"{name}_cores": round(((tree_cpu_seconds(pid) if name != "replica_api" else cpu_seconds(pid))
+                                     - before[name]) / args.window_s, 2) for name, pid in pids.items()}
+    profiles = {f"profile_{name}": _folded(proc, out, name) for name, (proc, out) in spies.items()}
     results = [f.result() for f in futures]
+    drain_s = _drain(args.replica_urls)
     ttft = [t * 1000 for r in results for t in r["ttft"]]
     latency = [t * 1000 for r in results for t in r["latency"]]
     out = {"path": path, "load": load, "calls": len(latency), "errors": sum(r["errors"] for r in results),
-           "tokens_per_s": sum(r["tokens"] for r in results) / args.window_s, "ttft_ms_p50": _pct(ttft, 0.5), "ttft_ms_p99": _pct(ttft, 0.99),
-           "latency_ms_p50": _pct(latency, 0.5), "latency_ms_p99": _pct(latency, 0.99)}
+           "tokens_per_s": sum(r["tokens"] for r in results) / args.window_s, "ttft_ms_p50": _pct(ttft, 0.5),
+           "ttft_ms_p99": _pct(ttft, 0.99), "latency_ms_p50": _pct(latency, 0.5),
+           "latency_ms_p99": _pct(latency, 0.99), **cores, "drain_s": drain_s, **profiles}
     print(json.dumps(out), flush=True)
     return out
+
+
+def _spy(args: argparse.Namespace, pids: dict[str, int], tag: str) -> dict[str, tuple[subprocess.Popen[bytes], Path]]:
+    """py-spy on the path's proxy (with its workers) and the replica's API server, for the window."""
+    spies = {}
+    for name in ("proxy", "replica_api"):
+        if name in pids:
+            out = args.logs / f"py-spy-{tag}-{name}.txt"
+            cmd = [args.py_spy, "record", "--pid", str(pids[name]), "--duration", str(int(args.window_s)),
+                   "--rate", "50", "--format", "raw", "--output", str(out), "--nonblocking"]
+            spies[name] = (subprocess.Popen(cmd + (["--subprocesses"] if name == "proxy" else []),
+                                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL), out)
+    return spies
+
+
+def _folded(proc: subprocess.Popen[bytes], out: Path, name: str) -> dict[str, float]:
+    """The top of one py-spy profile: share of samples (%) by our module and library (the proxy), or by
+    vLLM module and library (the replica's API server)."""
+    proc.wait(60)
+    if not out.is_file():
+        return {}
+    shares = fold(out.read_text(), **({} if name == "proxy" else {"bucket": module_bucket}))
+    return dict(list(shares.items())[:10])
+
+
+def _busy(replica: str) -> float:
+    """Requests running or waiting on a replica, from vLLM's Prometheus text (0 where it has none)."""
+    host, _, port = replica.split("://", 1)[-1].rpartition(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=5)  # not urllib: it honours http_proxy
+    try:
+        conn.request("GET", "/metrics")
+        text = conn.getresponse().read().decode()
+    except OSError:
+        return 0.0
+    finally:
+        conn.close()
+    return sum(float(m.group(1)) for m in _BUSY.finditer(text))
+
+
+def _drain(replicas: list[str], timeout_s: float = 120.0) -> float:
+    """Wait until no replica runs or queues a request (the window's cut-off calls are gone); seconds waited."""
+    started = time.monotonic()
+    while any(_busy(r) for r in replicas) and time.monotonic() - started < timeout_s:
+        time.sleep(0.2)
+    return round(time.monotonic() - started, 2)
 
 
 def _start_proxy(setting: str, args: argparse.Namespace, port: int, logs: Path) -> subprocess.Popen[bytes]:
@@ -133,16 +205,23 @@ def _start_proxy(setting: str, args: argparse.Namespace, port: int, logs: Path) 
            "ROLLTAP_PROXY__ROLLOUT_LOGPROBS_RATE": str(args.sample_rate), "ROLLTAP_PROXY__LOG_LEVEL": "warning",
            "ROLLTAP_PROXY__RECORDER__SPOOL_DIR": str(logs / f"spool-{setting}")}
     log = open(logs / f"proxy-{setting}.log", "wb")  # noqa: SIM115
-    return subprocess.Popen([sys.executable, "-m", "proxy.main", "--replica", args.replica, "--port", str(port),
-                             "--db", args.db.format(name=setting)], env=env, cwd=ROOT, stdout=log, stderr=log)
+    cmd = [sys.executable, "-m", "proxy.main", "--port", str(port), "--db", args.db.format(name=setting),
+           "--workers", str(args.proxy_workers)]
+    for url in args.replica_urls:
+        cmd += ["--replica", url]
+    return subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=log, stderr=log)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--replica", default=None, help="a running vLLM replica's base URL (no /v1)")
+    parser.add_argument("--replica", action="append", default=[], help="a running vLLM replica's base URL (no /v1); "
+                        "repeatable: direct calls are spread over them as the proxy spreads its own")
     parser.add_argument("--model", required=True, help="the replica's served model name")
     parser.add_argument("--start-replica", type=Path, default=None, metavar="MODEL_DIR",
-                        help="instead of --replica: start one (tools.replica, as scripts.learn does) serving this model")
+                        help="instead of --replica: start --replicas of them (tools.replica, as scripts.learn does) "
+                        "serving this model")
+    parser.add_argument("--replicas", type=int, default=1, help="with --start-replica: how many (one GPU shared)")
+    parser.add_argument("--proxy-workers", type=int, default=1, help="each proxy's --workers (more than 1: PostgreSQL)")
     parser.add_argument("--replica-arg", action="append", default=[], metavar="ARG",
                         help="extra vLLM argument for --start-replica (repeatable, e.g. --replica-arg=--api-server-count=4)")
     parser.add_argument("--dtype", default="bfloat16", help="vLLM --dtype for --start-replica")
@@ -150,36 +229,52 @@ def main(argv: list[str] | None = None) -> int:
                         help="database URL per proxy; `{name}` becomes its setting (one PostgreSQL URL may serve all)")
     parser.add_argument("--loads", default="64,256", help="concurrent streaming agents, comma-separated")
     parser.add_argument("--window-s", type=float, default=20.0)
-    parser.add_argument("--warmup-s", type=float, default=3.0)
+    parser.add_argument("--warmup-s", type=float, default=8.0, help="agents start staggered over it; make it at "
+                        "least one call's duration so the window sees a steady mix")
     parser.add_argument("--rounds", type=int, default=2, help="alternations of all paths per load")
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--sample-rate", type=float, default=0.0625)
     parser.add_argument("--procs", type=int, default=8, help="load-generating processes")
+    parser.add_argument("--py-spy", default=None, metavar="BIN", help="profile the last round's windows with this "
+                        "py-spy: the path's proxy and the replica's API server (shares by module in the JSON)")
     parser.add_argument("--paths", default="direct,direct_same_ask,proxy_on,proxy_off,proxy_sample")
     parser.add_argument("--logs", type=Path, default=Path("/tmp/rolltap-throughput"))
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     args.logs.mkdir(parents=True, exist_ok=True)
     if args.start_replica is None:
-        if args.replica is None:
+        if not args.replica:
             parser.error("give --replica URL or --start-replica MODEL_DIR")
+        args.replica_urls, args.replica_pid = args.replica, None
         return _run(args)
     from tools.replica import VllmReplica
 
-    with VllmReplica(args.start_replica, served_model_name=args.model, dtype=args.dtype, max_model_len=1024,
-                     extra_args=args.replica_arg, log_path=args.logs / "replica.log") as replica:
-        args.replica = replica.url
+    # Started together: on one GPU give each an explicit KV cache (--replica-arg=--kv-cache-memory=...),
+    # or the second one's memory profile sees the first one's allocation.
+    replicas = [VllmReplica(args.start_replica, served_model_name=args.model, dtype=args.dtype, max_model_len=1024,
+                            extra_args=args.replica_arg, log_path=args.logs / f"replica-{i}.log")
+                for i in range(args.replicas)]
+    try:
+        for replica in replicas:
+            replica.start()
+        for replica in replicas:
+            replica.wait_healthy(900)
+        args.replica_urls = [r.url for r in replicas]
+        args.replica_pid = replicas[0].proc.pid if replicas[0].proc is not None else None
         return _run(args)
+    finally:
+        for replica in replicas:
+            replica.stop()
 
 
 def _run(args: argparse.Namespace) -> int:
     paths = args.paths.split(",")
     ports = {s: free_port() for s in SETTINGS if f"proxy_{s}" in paths}
     procs: dict[str, subprocess.Popen[bytes]] = {}
-    direct = f"{args.replica}/v1/chat/completions"
+    direct = [f"{url}/v1/chat/completions" for url in args.replica_urls]
     targets: dict[str, tuple[list[str], dict[str, Any]]] = {
-        "direct": ([direct], {}),
-        "direct_same_ask": ([direct], {"return_token_ids": True, "logprobs": True}),
+        "direct": (direct, {}),
+        "direct_same_ask": (direct, {"return_token_ids": True, "logprobs": True}),
         **{f"proxy_{s}": ([f"http://127.0.0.1:{p}/rollout/{{rollout}}/attempt/{{attempt}}/v1/chat/completions"], {})
            for s, p in ports.items()},
     }
@@ -193,7 +288,11 @@ def _run(args: argparse.Namespace) -> int:
             for load in (int(x) for x in args.loads.split(",")):
                 for rnd in range(args.rounds):
                     for path in paths:
-                        windows.append({**_window(path, *targets[path], args, load, pool), "round": rnd})
+                        # CPU is charged to the proxy of the path (if any) and to the first replica.
+                        pids = {"proxy": procs[path[6:]].pid} if path.startswith("proxy_") else {}
+                        if args.replica_pid is not None:
+                            pids |= {"replica_api": args.replica_pid, "replica": args.replica_pid}
+                        windows.append({**_window(path, *targets[path], args, load, rnd, pool, pids), "round": rnd})
         summary = _summary(windows, paths)
         result = {"args": {k: str(v) for k, v in vars(args).items()}, "machine": machine(),
                   "windows": windows, "summary": summary}

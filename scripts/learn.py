@@ -11,8 +11,9 @@ questions scored by `examples.agent.score` (1.0 when the first number in the rep
 
 Per policy version the driver runs `groups` tasks x `group_size` attempts through the proxy
 with the plain `openai` SDK, then waits for the trainer (the real `rolltap-trainer run
---config`, a separate process) to train on them and push the next LoRA version to the
-replicas. The reward curve, step time and its phases are written to `--out`.
+--config`, a separate process) to train on them and push the next version to the replicas: a
+LoRA adapter (`--lora-rank N`, runtime LoRA replicas) or, with `--lora-rank 0`, full weights
+(replicas reload them with admission paused). The reward curve, step time and its phases are written to `--out`.
 
 A run is budgeted in policy versions (`--steps`): a slow or loaded machine takes longer
 rather than stopping early; `--minutes` is only a safety cap, and the report says when it
@@ -233,6 +234,15 @@ def _parse_trainer_log(path: Path) -> dict[int, dict[str, float]]:
     return steps
 
 
+def _weights(args: argparse.Namespace) -> str:
+    return "runtime LoRA" if args.lora_rank else "full-weight reloads"
+
+
+def _trained(args: argparse.Namespace) -> str:
+    return (f"LoRA rank {args.lora_rank} alpha {args.lora_alpha} (all linear layers)" if args.lora_rank
+            else "full weights")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=60)
@@ -264,7 +274,7 @@ def main() -> None:
     parser.add_argument("--max-operand", type=int, default=20, help="arithmetic: A and B are drawn from 1..N")
     parser.add_argument("--max-tokens", type=int, default=None,
                         help="max_tokens per completion (default: 16 for letter, 24 for arithmetic)")
-    parser.add_argument("--lora-rank", type=int, default=8)
+    parser.add_argument("--lora-rank", type=int, default=8, help="0: train and push full weights")
     parser.add_argument("--lora-alpha", type=int, default=None, help="default: 2 x rank")
     parser.add_argument("--mini-batch", type=int, default=None, help="PPO mini-batch rows (default: one step's "
                         "rows, groups x group size: one optimizer step per policy version)")
@@ -289,9 +299,9 @@ def main() -> None:
                         "(default: beside --out, named after it)")
     parser.add_argument("--title", default="Learning on CPU, through the whole loop (scripts/learn.py)")
     args = parser.parse_args()
-    if args.lora_rank < 1:
-        parser.error("--lora-rank must be >= 1: the loop serves LoRA adapters")
-    args.lora_alpha = args.lora_alpha or 2 * args.lora_rank
+    if args.lora_rank < 0:
+        parser.error("--lora-rank must be >= 0 (0: full weights)")
+    args.lora_alpha = args.lora_alpha or 2 * args.lora_rank or 16  # unused with full weights, but must be > 0
     args.max_tokens = args.max_tokens or (24 if args.task == "arithmetic" else 16)
     args.mini_batch = args.mini_batch or args.groups * args.group_size
     args.micro_batch = args.micro_batch or max(1, args.mini_batch // 2)
@@ -312,7 +322,9 @@ def main() -> None:
     db = args.db or f"sqlite:///{args.workdir / 'rolltap.db'}"
     proxy_url = f"http://127.0.0.1:{args.port}"
     bin_dir = Path(sys.executable).parent
-    replica_kwargs: dict[str, Any] = {"served_model_name": served_name, "enable_lora": True}
+    # A replica takes runtime LoRA or full-weight reloads (the control routes of vLLM's dev mode), not both.
+    replica_kwargs: dict[str, Any] = {"served_model_name": served_name, "enable_lora": args.lora_rank > 0,
+                                      "dev_mode": args.lora_rank == 0}
     if args.dtype != "float32":
         replica_kwargs["dtype"] = args.dtype
     if args.max_model_len != 512:
@@ -324,7 +336,7 @@ def main() -> None:
         extra_args += ["--max-lora-rank", str(args.lora_rank)]
     if extra_args:
         replica_kwargs["extra_args"] = extra_args
-    print(f"starting {args.replicas} vLLM replica(s) with runtime LoRA ...", flush=True)
+    print(f"starting {args.replicas} vLLM replica(s) with {_weights(args)} ...", flush=True)
     t = time.monotonic()
     replicas: list[VllmReplica] = start_replicas(args.replicas, model, timeout_s=900, **replica_kwargs)
     replica_start_s = time.monotonic() - t
@@ -334,7 +346,7 @@ def main() -> None:
     memory.start()
     try:
         env = {**os.environ, "ROLLTAP_PROXY__ADMIN_TOKEN": TOKEN, "ROLLTAP_PROXY__AGENT_KEY": AGENT_KEY,
-               "ROLLTAP_PROXY__POOL__WEIGHT_MODE": "lora",
+               "ROLLTAP_PROXY__POOL__WEIGHT_MODE": "lora" if args.lora_rank else "full",
                "ROLLTAP_PROXY__RECORDER__SPOOL_DIR": str(args.workdir / "spool")}
         cmd = [str(bin_dir / "rolltap-proxy"), "--db", db, "--port", str(args.port)]
         for r in replicas:
@@ -483,18 +495,17 @@ def _write_report(args: argparse.Namespace, model: Path, served_name: str, curve
         f"# {args.title}",
         "",
         f"Run {datetime.now(UTC):%Y-%m-%d %H:%M} UTC on the {os.cpu_count()}-core machine ({_gpu()}): {model_text}, "
-        f"{args.replicas} vLLM replica{'s' if args.replicas != 1 else ''} with runtime LoRA "
+        f"{args.replicas} vLLM replica{'s' if args.replicas != 1 else ''} with {_weights(args)} "
         f"(`--dtype {args.dtype} --max-model-len {args.max_model_len}`"
         f"{f', VLLM_CPU_KVCACHE_SPACE={args.kv_cache_gb}' if args.kv_cache_gb is not None else ''}"
         f"{''.join(' ' + a for a in args.replica_arg)}), the proxy on "
-        f"{'SQLite' if _db_kind(args) == 'sqlite' else 'PostgreSQL'}, the trainer (`rolltap-trainer run --config`, verl GRPO with LoRA rank {args.lora_rank}) and the "
+        f"{'SQLite' if _db_kind(args) == 'sqlite' else 'PostgreSQL'}, the trainer (`rolltap-trainer run --config`, verl GRPO, {_trained(args)}) and the "
         f"agent ({task_text}, plain `openai` SDK).",
         f"Command: `.venv/bin/python -m scripts.learn {shlex.join(sys.argv[1:])}`",
         "",
         f"- machine: {_machine()}",
         f"- settings: {args.groups} groups x {args.group_size} attempts per policy version, max_tokens "
-        f"{args.max_tokens}, temperature 1.0; trainer lr {args.lr:g}, LoRA rank {args.lora_rank} alpha "
-        f"{args.lora_alpha} (all linear layers), mini-batch {args.mini_batch}, micro-batch {args.micro_batch}, "
+        f"{args.max_tokens}, temperature 1.0; trainer lr {args.lr:g}, {_trained(args)}, mini-batch {args.mini_batch}, micro-batch {args.micro_batch}, "
         f"PPO epochs {args.ppo_epochs}, clip ratio {args.clip_ratio:g}, entropy_coeff {args.entropy_coeff:g}, "
         f"kl_coef {args.kl_coef:g}, GRPO {'without' if args.no_std_norm else 'with'} the std division, "
         f"{'fp32' if _gpu() == 'no GPU' else 'bf16 compute, fp32 master weights'}, max_staleness 1, seed {args.seed}",
@@ -560,8 +571,10 @@ def _write_report(args: argparse.Namespace, model: Path, served_name: str, curve
             f"{_fmt(_median([c['rollout_s'] for c, _ in steady]))} | {rollout_share:.0%} |",
             f"| update: old logprobs, GRPO advantages, PPO loss, backward, AdamW | {_fmt(med['update_s'])} | "
             f"{share['update_s']:.0%} |",
-            f"| save: checkpoint + LoRA export | {_fmt(med['save_s'])} | {share['save_s']:.0%} |",
-            f"| push: LoRA load on the replicas, proxy switch | {_fmt(med['push_s'])} | {share['push_s']:.0%} |",
+            f"| save: checkpoint + {'LoRA' if args.lora_rank else 'full-weight'} export | {_fmt(med['save_s'])} | "
+            f"{share['save_s']:.0%} |",
+            f"| push: {'LoRA load on the replicas' if args.lora_rank else 'pause, weight reload on the replicas, resume'}"
+            f", proxy switch | {_fmt(med['push_s'])} | {share['push_s']:.0%} |",
             f"| other (batch building, commit) | | {other:.0%} |",
             "",
             "A trainer step starts when the previous one has pushed; the driver sees the new version (polling "
