@@ -9,10 +9,16 @@ prompts, `ignore_eos`, `max_tokens` tokens each) alternating between the paths, 
 - `direct_same_ask`: the replica asked what the proxy asks with logprobs on (token IDs, logprobs);
 - `proxy_on`, `proxy_off`, `proxy_sample`: through the proxy's templated route, one attempt per call.
 
+Throughput is what the replicas generated in the window (vLLM's own `generation_tokens_total`,
+read before and after): a busy vLLM merges several tokens into one streamed chunk, so counting
+chunks at the client undercounts by a factor that differs from path to path (measured: 1.0
+tokens a chunk at 4 streams on a CPU replica, 7 at 128 with logprobs). The client's count of
+token IDs is kept beside it (`delivered_tokens_per_s`; one per chunk where the chunk has none),
+with the chunk rate.
+
 Agents start staggered over the warm-up, so a window sees calls in every phase (prefill and
-decode), not one synchronised wave. Per window: generated tokens/s (content chunks that arrive
-inside it), time to first content p50/p99, whole-call latency p50/p99, and the CPU cores each
-process used in it (the proxy with its workers; the replica's API server alone and with its
+decode), not one synchronised wave. Per window: generated tokens/s, time to first content
+p50/p99, whole-call latency p50/p99, and the CPU cores each process used in it (the proxy with its workers; the replica's API server alone and with its
 engine): that is where the time goes when a path is slower. After each window the cut-off calls
 must drain from the replica (vLLM's `num_requests_running` and `_waiting` back to 0) before the
 next one starts; the time that took is reported too (`drain_s`: how fast a client's disconnect
@@ -50,6 +56,7 @@ from bench.proxy_profile import fold, module_bucket
 
 ROOT = Path(__file__).resolve().parent.parent
 SETTINGS = ("on", "off", "sample")
+_GENERATED = re.compile(r"^vllm:generation_tokens_total\{[^}]*\} ([0-9.eE+-]+)$", re.M)
 _BUSY = re.compile(r"^vllm:num_requests_(?:running|waiting)\{[^}]*\} ([0-9.eE+-]+)$", re.M)
 PROMPTS = [f"Write a short story about a {thing}." for thing in
            ("lighthouse", "fox", "violin", "glacier", "market", "comet", "river", "clockmaker")]
@@ -70,22 +77,22 @@ def _load(urls: list[str], extra: dict[str, Any], model: str, agents: range, tot
     time every load process starts from, and agent i starts its first call `i / total` of the
     warm-up after it. Rollout ids carry `tag`, so no two windows share an attempt.
 
-    Throughput counts the content chunks (one per generated token) that arrive inside the
-    window, so calls longer than the window count too; latency counts calls that started and
-    ended inside it, time to first token calls that started inside it."""
-    tokens = 0
+    Delivered tokens are those of the content chunks that arrive inside the window, so calls
+    longer than the window count too; latency counts calls that started and ended inside it,
+    time to first token calls that started inside it."""
+    tokens = chunks = 0
     ttft: list[float] = []
     latency: list[float] = []
     errors = 0
 
     async def main() -> None:
-        nonlocal errors, tokens
+        nonlocal errors, tokens, chunks
         t0 = time.monotonic() + (begin - time.time())
         start, end = t0 + warmup_s, t0 + warmup_s + window_s
         timeout = aiohttp.ClientTimeout(total=600)
         async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as http:
             async def agent(i: int) -> None:
-                nonlocal errors, tokens
+                nonlocal errors, tokens, chunks
                 await asyncio.sleep(max(0.0, t0 + warmup_s * i / total - time.monotonic()))
                 n = 0
                 while True:
@@ -105,10 +112,14 @@ def _load(urls: list[str], extra: dict[str, Any], model: str, agents: range, tot
                                 if not line.startswith(b"data: {"):
                                     continue
                                 chunk = json.loads(line[6:])
-                                if any((c.get("delta") or {}).get("content") for c in chunk.get("choices") or ()):
+                                choices = [c for c in chunk.get("choices") or () if (c.get("delta") or {}).get("content")]
+                                if choices:
                                     now = time.monotonic()
                                     if start <= now <= end:
-                                        tokens += 1
+                                        # A busy vLLM merges several tokens into one chunk: count the
+                                        # token IDs where the chunk carries them, else one per chunk.
+                                        chunks += 1
+                                        tokens += sum(len(c.get("token_ids") or ()) or 1 for c in choices)
                                     if not t_first:
                                         t_first = now
                                         if t_start >= start:
@@ -127,7 +138,7 @@ def _load(urls: list[str], extra: dict[str, Any], model: str, agents: range, tot
             await asyncio.gather(*tasks, return_exceptions=True)
 
     asyncio.run(main())
-    return {"tokens": tokens, "ttft": ttft, "latency": latency, "errors": errors}
+    return {"tokens": tokens, "chunks": chunks, "ttft": ttft, "latency": latency, "errors": errors}
 
 
 def _window(path: str, urls: list[str], extra: dict[str, Any], args: argparse.Namespace, load: int, rnd: int,
@@ -138,8 +149,10 @@ def _window(path: str, urls: list[str], extra: dict[str, Any], args: argparse.Na
     # CPU cores per process over exactly the window: the main process samples while the load runs.
     time.sleep(max(0.0, begin + args.warmup_s - time.time()))
     before = {name: tree_cpu_seconds(pid) if name != "replica_api" else cpu_seconds(pid) for name, pid in pids.items()}
+    generated = _generated(args.replica_urls)
     spies = _spy(args, pids, f"{load}-{rnd}-{path}") if args.py_spy and rnd == args.rounds - 1 else {}
     time.sleep(args.window_s)
+    generated = _generated(args.replica_urls) - generated if generated is not None else None
     cores = {f"{name}_cores": round(((tree_cpu_seconds(pid) if name != "replica_api" else cpu_seconds(pid))
                                      - before[name]) / args.window_s, 2) for name, pid in pids.items()}
     profiles = {f"profile_{name}": _folded(proc, out, name) for name, (proc, out) in spies.items()}
@@ -147,8 +160,11 @@ def _window(path: str, urls: list[str], extra: dict[str, Any], args: argparse.Na
     drain_s = _drain(args.replica_urls)
     ttft = [t * 1000 for r in results for t in r["ttft"]]
     latency = [t * 1000 for r in results for t in r["latency"]]
+    delivered = sum(r["tokens"] for r in results) / args.window_s
     out = {"path": path, "load": load, "calls": len(latency), "errors": sum(r["errors"] for r in results),
-           "tokens_per_s": sum(r["tokens"] for r in results) / args.window_s, "ttft_ms_p50": _pct(ttft, 0.5),
+           "tokens_per_s": round(generated / args.window_s, 1) if generated is not None else delivered,
+           "delivered_tokens_per_s": round(delivered, 1),
+           "chunks_per_s": round(sum(r["chunks"] for r in results) / args.window_s, 1), "ttft_ms_p50": _pct(ttft, 0.5),
            "ttft_ms_p99": _pct(ttft, 0.99), "latency_ms_p50": _pct(latency, 0.5),
            "latency_ms_p99": _pct(latency, 0.99), **cores, "drain_s": drain_s, **profiles}
     print(json.dumps(out), flush=True)
@@ -178,18 +194,33 @@ def _folded(proc: subprocess.Popen[bytes], out: Path, name: str) -> dict[str, fl
     return dict(list(shares.items())[:10])
 
 
+def _generated(replicas: list[str]) -> float | None:
+    """Tokens the replicas have generated so far (vLLM's `generation_tokens_total`); None where one has no such
+    counter (the instant replica), and the client's count is used instead."""
+    total = 0.0
+    for replica in replicas:
+        found = [float(m.group(1)) for m in _GENERATED.finditer(_metrics(replica))]
+        if not found:
+            return None
+        total += sum(found)
+    return total
+
+
 def _busy(replica: str) -> float:
     """Requests running or waiting on a replica, from vLLM's Prometheus text (0 where it has none)."""
+    return sum(float(m.group(1)) for m in _BUSY.finditer(_metrics(replica)))
+
+
+def _metrics(replica: str) -> str:
     host, _, port = replica.split("://", 1)[-1].rpartition(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=5)  # not urllib: it honours http_proxy
     try:
         conn.request("GET", "/metrics")
-        text = conn.getresponse().read().decode()
+        return conn.getresponse().read().decode()
     except OSError:
-        return 0.0
+        return ""
     finally:
         conn.close()
-    return sum(float(m.group(1)) for m in _BUSY.finditer(text))
 
 
 def _drain(replicas: list[str], timeout_s: float = 120.0) -> float:
