@@ -256,6 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--replica-arg", action="append", default=[], metavar="ARG",
                         help="extra vLLM argument for --start-replica (repeatable, e.g. --replica-arg=--api-server-count=4)")
     parser.add_argument("--dtype", default="bfloat16", help="vLLM --dtype for --start-replica")
+    parser.add_argument("--vllm-serve", action="store_true", help="start replicas with `vllm serve` (needed for "
+                        "--api-server-count; the default entrypoint ignores it)")
     parser.add_argument("--db", default="sqlite:////tmp/rolltap-throughput-{name}.db",
                         help="database URL per proxy; `{name}` becomes its setting (one PostgreSQL URL may serve all)")
     parser.add_argument("--loads", default="64,256", help="concurrent streaming agents, comma-separated")
@@ -283,7 +285,8 @@ def main(argv: list[str] | None = None) -> int:
     # Started together: on one GPU give each an explicit KV cache (--replica-arg=--kv-cache-memory=...),
     # or the second one's memory profile sees the first one's allocation.
     replicas = [VllmReplica(args.start_replica, served_model_name=args.model, dtype=args.dtype, max_model_len=1024,
-                            extra_args=args.replica_arg, log_path=args.logs / f"replica-{i}.log")
+                            extra_args=args.replica_arg, log_path=args.logs / f"replica-{i}.log",
+                            serve_cli=args.vllm_serve)
                 for i in range(args.replicas)]
     try:
         for replica in replicas:

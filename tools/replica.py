@@ -75,6 +75,7 @@ class VllmReplica:
         log_path: Path | None = None,
         tool_parser: str | None = "hermes",
         responses_store: bool = False,
+        serve_cli: bool = False,
     ) -> None:
         self.model = Path(model)
         self.served_model_name = served_model_name or self.model.name
@@ -92,6 +93,10 @@ class VllmReplica:
         # Keep Responses in the server's memory so `previous_response_id` works (it grows
         # without bound: for tests and demos, not long runs).
         self.responses_store = responses_store
+        # `vllm serve` (the vllm-openai image's entrypoint) instead of the bare `openai.api_server`
+        # module, which ignores --api-server-count (vLLM 0.26 on the H200 ran one API server whatever
+        # it said). Off by default: the CPU build's `vllm serve` needs package metadata it lacks.
+        self.serve_cli = serve_cli
         # port 0: bind an ephemeral port now and hold it until start(), so replicas
         # constructed together get distinct ports. The window between our close and
         # vLLM's bind is a small, accepted race.
@@ -108,9 +113,9 @@ class VllmReplica:
         self.proc: subprocess.Popen[bytes] | None = None
 
     def command(self) -> list[str]:
+        entry = ["vllm.entrypoints.cli.main", "serve"] if self.serve_cli else ["vllm.entrypoints.openai.api_server", "--model"]
         cmd = [
-            str(vllm_python()), "-m", "vllm.entrypoints.openai.api_server",
-            "--model", str(self.model), "--served-model-name", self.served_model_name,
+            str(vllm_python()), "-m", *entry, str(self.model), "--served-model-name", self.served_model_name,
             "--dtype", self.dtype, "--max-model-len", str(self.max_model_len),
             "--host", self.host, "--port", str(self.port),
             # Logprobs of the distribution sampled from (after temperature), not of the raw logits:
