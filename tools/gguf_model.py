@@ -14,7 +14,8 @@ Two models are known, by the GGUF's architecture:
   splits every word into characters (the model then answers "The capital of France is" with
   " 1 1 1 1"). The GGUF keeps the vocabulary ranked by merge priority (score = -rank), so the
   merges are recovered from it: every split of a token into two tokens, ordered by the token's
-  rank. The result splits text as Gemma does ("▁capital" is one token, digits one each).
+  rank. The result splits text as Gemma does ("▁capital" is one token, digits one each), and its
+  control tokens are special, so the turn markers reach the model as tokens 105/106, not bytes.
 
 transformers de-quantizes the GGUF on load; the result is saved in bfloat16 safetensors, which
 vLLM and the trainer both load. Two fixes are needed on the way (measured with transformers 5.17):
@@ -99,8 +100,14 @@ def _gemma_tokenizer(gguf_file: Path) -> Any:
                             fuse_unk=True))
     backend.normalizer = normalizers.Replace(" ", "\u2581")
     backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
-    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<bos>", eos_token="<end_of_turn>",
-                                   pad_token="<pad>", unk_token="<unk>")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<bos>", eos_token="<end_of_turn>",
+                                        pad_token="<pad>", unk_token="<unk>")
+    # Control tokens (<start_of_turn>, <end_of_turn>, ...) must be matched whole in text, or the chat
+    # format reaches the model as bytes; user-defined ones (GGUF type 4) likewise, but are not special.
+    types = meta["token_type"]
+    tokenizer.add_special_tokens({"additional_special_tokens": [t for t, k in zip(tokens, types, strict=True) if k == 3]})
+    tokenizer.add_tokens([t for t, k in zip(tokens, types, strict=True) if k == 4])
+    return tokenizer
 
 
 def main(argv: list[str] | None = None) -> int:
