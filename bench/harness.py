@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["REPO_ROOT", "WRK_LUA", "cpu_seconds", "free_port", "listen", "machine", "run_wrk", "stop_process",
+__all__ = ["REPO_ROOT", "WRK_LUA", "cpu_seconds", "free_port", "http_get", "listen", "machine", "run_wrk", "stop_process",
            "terminate_group", "tree_cpu_seconds", "wait_ready"]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -39,17 +39,24 @@ def listen(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
     return sock
 
 
-def _answers_200(url: str, path: str, timeout_s: float) -> bool:
+def http_get(url: str, path: str, timeout_s: float) -> tuple[int, bytes] | None:
+    """`GET url+path` over loopback: status and body, or None when nothing answered."""
     hostport = url.split("://", 1)[-1].rstrip("/")
     host, _, port = hostport.rpartition(":")
     conn = http.client.HTTPConnection(host.strip("[]"), int(port), timeout=timeout_s)
     try:
         conn.request("GET", path)
-        return conn.getresponse().status == 200
+        resp = conn.getresponse()
+        return resp.status, resp.read()
     except OSError:
-        return False
+        return None
     finally:
         conn.close()
+
+
+def _answers_200(url: str, path: str, timeout_s: float) -> bool:
+    answer = http_get(url, path, timeout_s)
+    return answer is not None and answer[0] == 200
 
 
 def wait_ready(url: str, path: str, proc: subprocess.Popen[bytes], timeout_s: float, *,

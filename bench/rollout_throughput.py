@@ -18,8 +18,8 @@ with the chunk rate.
 
 Agents start staggered over the warm-up, so a window sees calls in every phase (prefill and
 decode), not one synchronised wave. Per window: generated tokens/s, time to first content
-p50/p99, whole-call latency p50/p99, and the CPU cores each process used in it (the proxy with its workers; the replica's API server alone and with its
-engine): that is where the time goes when a path is slower. After each window the cut-off calls
+p50/p99, whole-call latency p50/p99, and the CPU cores each process used in it (the proxy with
+its workers; the replica's API server alone and with its engine): that is where the time goes when a path is slower. After each window the cut-off calls
 must drain from the replica (vLLM's `num_requests_running` and `_waiting` back to 0) before the
 next one starts; the time that took is reported too (`drain_s`: how fast a client's disconnect
 stops the replica's work on that path). The load comes from `--procs` processes so the client is
@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import http.client
 import json
 import os
 import re
@@ -51,7 +50,7 @@ from typing import Any
 
 import aiohttp
 
-from bench.harness import cpu_seconds, free_port, machine, stop_process, tree_cpu_seconds, wait_ready
+from bench.harness import cpu_seconds, free_port, http_get, machine, stop_process, tree_cpu_seconds, wait_ready
 from bench.proxy_profile import fold, module_bucket
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -148,13 +147,12 @@ def _window(path: str, urls: list[str], extra: dict[str, Any], args: argparse.Na
                            begin, args.warmup_s, args.window_s, args.max_tokens) for p in range(min(args.procs, load))]
     # CPU cores per process over exactly the window: the main process samples while the load runs.
     time.sleep(max(0.0, begin + args.warmup_s - time.time()))
-    before = {name: tree_cpu_seconds(pid) if name != "replica_api" else cpu_seconds(pid) for name, pid in pids.items()}
+    before = {name: _cpu(name, pid) for name, pid in pids.items()}
     generated = _generated(args.replica_urls)
     spies = _spy(args, pids, f"{load}-{rnd}-{path}") if args.py_spy and rnd == args.rounds - 1 else {}
     time.sleep(args.window_s)
     generated = _generated(args.replica_urls) - generated if generated is not None else None
-    cores = {f"{name}_cores": round(((tree_cpu_seconds(pid) if name != "replica_api" else cpu_seconds(pid))
-                                     - before[name]) / args.window_s, 2) for name, pid in pids.items()}
+    cores = {f"{name}_cores": round((_cpu(name, pid) - before[name]) / args.window_s, 2) for name, pid in pids.items()}
     profiles = {f"profile_{name}": _folded(proc, out, name) for name, (proc, out) in spies.items()}
     results = [f.result() for f in futures]
     drain_s = _drain(args.replica_urls)
@@ -169,6 +167,11 @@ def _window(path: str, urls: list[str], extra: dict[str, Any], args: argparse.Na
            "latency_ms_p99": _pct(latency, 0.99), **cores, "drain_s": drain_s, **profiles}
     print(json.dumps(out), flush=True)
     return out
+
+
+def _cpu(name: str, pid: int) -> float:
+    """CPU seconds so far: the API server process alone for `replica_api`, else the process with its children."""
+    return cpu_seconds(pid) if name == "replica_api" else tree_cpu_seconds(pid)
 
 
 def _spy(args: argparse.Namespace, pids: dict[str, int], tag: str) -> dict[str, tuple[subprocess.Popen[bytes], Path]]:
@@ -212,15 +215,8 @@ def _busy(replica: str) -> float:
 
 
 def _metrics(replica: str) -> str:
-    host, _, port = replica.split("://", 1)[-1].rpartition(":")
-    conn = http.client.HTTPConnection(host, int(port), timeout=5)  # not urllib: it honours http_proxy
-    try:
-        conn.request("GET", "/metrics")
-        return conn.getresponse().read().decode()
-    except OSError:
-        return ""
-    finally:
-        conn.close()
+    answer = http_get(replica, "/metrics", 5.0)
+    return answer[1].decode() if answer is not None else ""
 
 
 def _drain(replicas: list[str], timeout_s: float = 120.0) -> float:
