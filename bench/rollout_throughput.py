@@ -323,17 +323,20 @@ def _run(args: argparse.Namespace) -> int:
                         if args.replica_pid is not None:
                             pids |= {"replica_api": args.replica_pid, "replica": args.replica_pid}
                         windows.append({**_window(path, *targets[path], args, load, rnd, pool, pids), "round": rnd})
-        summary = _summary(windows, paths)
-        result = {"args": {k: str(v) for k, v in vars(args).items()}, "machine": machine(),
-                  "windows": windows, "summary": summary}
-        text = json.dumps(result, indent=1)
-        print(json.dumps(summary, indent=1))
-        if args.out:
-            args.out.write_text(text)
+                        _write(args, windows, paths)
+        print(json.dumps(_summary(windows, paths), indent=1))
         return 0
     finally:
         for proc in procs.values():
             stop_process(proc, 90.0)
+
+
+def _write(args: argparse.Namespace, windows: list[dict[str, Any]], paths: list[str]) -> None:
+    """Write the JSON so far (after every window: a run cut short by a time limit keeps what it measured)."""
+    if args.out:
+        result = {"args": {k: str(v) for k, v in vars(args).items()}, "machine": machine(),
+                  "windows": windows, "summary": _summary(windows, paths)}
+        args.out.write_text(json.dumps(result, indent=1))
 
 
 def _summary(windows: list[dict[str, Any]], paths: list[str]) -> dict[str, Any]:
