@@ -148,10 +148,11 @@ def _window(path: str, urls: list[str], extra: dict[str, Any], args: argparse.Na
     # CPU cores per process over exactly the window: the main process samples while the load runs.
     time.sleep(max(0.0, begin + args.warmup_s - time.time()))
     before = {name: _cpu(name, pid) for name, pid in pids.items()}
-    generated = _generated(args.replica_urls)
+    counted = _generated(args.replica_urls)
     spies = _spy(args, pids, f"{load}-{rnd}-{path}") if args.py_spy and rnd == args.rounds - 1 else {}
     time.sleep(args.window_s)
-    generated = _generated(args.replica_urls) - generated if generated is not None else None
+    after = _generated(args.replica_urls)
+    generated = after - counted if after is not None and counted is not None else None
     cores = {f"{name}_cores": round((_cpu(name, pid) - before[name]) / args.window_s, 2) for name, pid in pids.items()}
     profiles = {f"profile_{name}": _folded(proc, out, name) for name, (proc, out) in spies.items()}
     results = [f.result() for f in futures]
@@ -176,7 +177,7 @@ def _cpu(name: str, pid: int) -> float:
 
 def _spy(args: argparse.Namespace, pids: dict[str, int], tag: str) -> dict[str, tuple[subprocess.Popen[bytes], Path]]:
     """py-spy on the path's proxy (with its workers) and the replica's API server, for the window."""
-    spies = {}
+    spies: dict[str, tuple[subprocess.Popen[bytes], Path]] = {}
     for name in ("proxy", "replica_api"):
         if name in pids:
             out = args.logs / f"py-spy-{tag}-{name}.txt"
