@@ -19,12 +19,13 @@ with the chunk rate.
 Agents start staggered over the warm-up, so a window sees calls in every phase (prefill and
 decode), not one synchronised wave. Per window: generated tokens/s, time to first content
 p50/p99, whole-call latency p50/p99, and the CPU cores each process used in it (the proxy with
-its workers; the replica's API server alone and with its engine): that is where the time goes when a path is slower. After each window the cut-off calls
-must drain from the replica (vLLM's `num_requests_running` and `_waiting` back to 0) before the
-next one starts; the time that took is reported too (`drain_s`: how fast a client's disconnect
-stops the replica's work on that path). The load comes from `--procs` processes so the client is
-not the bottleneck. Ratios are taken against both direct paths in the same round. Prints and
-writes JSON (`--out`).
+its workers; the replica's API server alone and with its engine): that is where the time goes
+when a path is slower. After each window the cut-off calls must drain from the replica (vLLM's
+`num_requests_running` and `_waiting` back to 0) before the next one starts; the time that took
+is reported too (`drain_s`: how fast a client's disconnect stops the replica's work on that
+path). The load comes from `--procs` processes so the client is not the bottleneck. Ratios to
+both direct paths are pooled over rounds, with a 90% interval (`bench.throughput_report` pools
+several runs). Prints and writes JSON (`--out`).
 
 Layouts: `--replicas N` starts N replicas of the model (direct calls spread over them as the
 proxy spreads its calls), `--proxy-workers N` runs each proxy with `--workers N` (PostgreSQL).
@@ -52,6 +53,7 @@ import aiohttp
 
 from bench.harness import cpu_seconds, free_port, http_get, machine, stop_process, tree_cpu_seconds, wait_ready
 from bench.proxy_profile import fold, module_bucket
+from bench.throughput_report import BASELINES, pooled_ratio, tagged
 
 ROOT = Path(__file__).resolve().parent.parent
 SETTINGS = ("on", "off", "sample")
@@ -341,10 +343,11 @@ def _write(args: argparse.Namespace, windows: list[dict[str, Any]], paths: list[
 
 
 def _summary(windows: list[dict[str, Any]], paths: list[str]) -> dict[str, Any]:
-    """Per load and path: medians over rounds, and each path's ratio to both direct paths per round."""
+    """Per load and path: medians over rounds, and each path's pooled ratio to both direct paths with its
+    90% interval (`bench.throughput_report`, which pools several runs the same way)."""
     out: dict[str, Any] = {}
     for load in sorted({w["load"] for w in windows}):
-        rows = [w for w in windows if w["load"] == load]
+        rows = tagged([w for w in windows if w["load"] == load], "", 1.0)  # one run: windows of one length
         per: dict[str, Any] = {}
         for path in paths:
             mine = [w for w in rows if w["path"] == path]
@@ -352,11 +355,10 @@ def _summary(windows: list[dict[str, Any]], paths: list[str]) -> dict[str, Any]:
                      for k in ("tokens_per_s", "ttft_ms_p50", "ttft_ms_p99", "latency_ms_p50", "latency_ms_p99")
                      if any(w[k] is not None for w in mine)}
             entry["errors"] = sum(w["errors"] for w in mine)
-            for base in ("direct", "direct_same_ask"):
-                ratios = [w["tokens_per_s"] / b["tokens_per_s"] for w in mine for b in rows
-                          if b["path"] == base and b["round"] == w["round"] and b["tokens_per_s"]]
-                if ratios and path != base:
-                    entry[f"x_{base}"] = round(statistics.median(ratios), 3)
+            for base in BASELINES:
+                found = pooled_ratio(rows, path, base) if path != base else None
+                if found:
+                    entry[f"x_{base}"] = [round(x, 3) for x in found]
             per[path] = entry
         out[str(load)] = per
     return out

@@ -24,14 +24,17 @@ BASELINES = ("direct", "direct_same_ask")
 FIGURES = ("ttft_ms_p50", "ttft_ms_p99", "latency_ms_p50", "latency_ms_p99", "proxy_cores", "replica_cores")
 
 
+def tagged(windows: list[dict[str, Any]], run: str, window_s: float) -> list[dict[str, Any]]:
+    """One run's windows with their round's key (run, round) and the tokens they generated."""
+    return [{**w, "key": (run, w["round"]), "tokens": w["tokens_per_s"] * window_s} for w in windows]
+
+
 def load_windows(paths: list[Path]) -> list[dict[str, Any]]:
-    """Every window of the runs, tagged with its round's key (run, round) and its length in seconds."""
+    """Every window of the runs, tagged."""
     windows = []
     for path in paths:
         run = json.loads(path.read_text())
-        window_s = float(run["args"]["window_s"])
-        for w in run["windows"]:
-            windows.append({**w, "key": (path.name, w["round"]), "tokens": w["tokens_per_s"] * window_s})
+        windows += tagged(run["windows"], path.name, float(run["args"]["window_s"]))
     return windows
 
 
