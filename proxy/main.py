@@ -133,10 +133,18 @@ def main(argv: list[str] | None = None) -> None:
 
 def _serve(settings: Settings, sock: socket.socket | None) -> None:
     app = create_app(settings)
-    config = uvicorn.Config(
+    config = server_config(app, settings)
+    signal.signal(signal.SIGTERM, _exit_cleanly)  # restored by uvicorn after its shutdown, then re-raised
+    server = DrainingServer(config, app.state.drain, settings.proxy.shutdown_timeout_s, settings.proxy.drain_grace_s)
+    server.run(sockets=[sock] if sock is not None else None)
+
+
+def server_config(app: Any, settings: Settings, port: int | None = None) -> uvicorn.Config:
+    """The HTTP server's configuration (`port` overrides the settings' one)."""
+    return uvicorn.Config(
         app,
         host=settings.proxy.host,
-        port=settings.proxy.port,
+        port=settings.proxy.port if port is None else port,
         log_level=settings.proxy.log_level.lower(),
         access_log=False,  # per-request lines cost more than the proxy itself; metrics cover it
         # Nothing here reads the client address, so X-Forwarded-* rewriting (a middleware layer
@@ -147,10 +155,8 @@ def _serve(settings: Settings, sock: socket.socket | None) -> None:
         # With the h11 parser, stop reading a header block past the limit (httptools has none of its
         # own); every request's headers are checked again in `ProxyApp` either way.
         h11_max_incomplete_event_size=settings.proxy.limits.max_header_bytes,
+        timeout_keep_alive=settings.proxy.keep_alive_s,
     )
-    signal.signal(signal.SIGTERM, _exit_cleanly)  # restored by uvicorn after its shutdown, then re-raised
-    server = DrainingServer(config, app.state.drain, settings.proxy.shutdown_timeout_s, settings.proxy.drain_grace_s)
-    server.run(sockets=[sock] if sock is not None else None)
 
 
 def _serve_workers(settings: Settings) -> int:

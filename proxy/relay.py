@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import orjson
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from proxy import metrics
@@ -162,6 +162,12 @@ class Relay:
                                                        "type": "interrupted", "code": "proxy_shutdown"})
                 raise
             return Response(status_code=499)  # nobody reads it: the client is gone
+        except ClientDisconnect:
+            # Gone before its request was read whole (nothing went upstream): recorded as what it is.
+            call.fail(CallStatus.CLIENT_DISCONNECTED, {"message": "client disconnected before its request was read",
+                                                       "type": "client_disconnected"})
+            call.has_left = True
+            return Response(status_code=499)
         except RolltapError as exc:
             status = CallStatus.INVALID_REQUEST if isinstance(exc, InvalidRequest) else CallStatus.FAILED
             call.fail(status, exc, exc.status_code)

@@ -293,6 +293,14 @@ class ProxySettings(BaseModel):
         description="On SIGTERM: new relayed calls get 503 `proxy_draining` while calls in flight may take this "
         "long to end (lifecycle routes keep answering meanwhile); the record flush then gets as long again.",
     )
+    keep_alive_s: int = Field(
+        default=75,
+        ge=1,
+        description="How long an idle client connection stays open. Longer than clients' own pool expiry (httpx 5 s, "
+        "aiohttp 15 s) and a balancer's idle timeout (60 s is common), so the client closes an idle connection, not "
+        "the proxy: when both close it at the same moment, a call sent on it fails before the proxy reads it (seen "
+        "with uvicorn's default of 5 s: 1 call in 256 from 64 httpx agents).",
+    )
     drain_grace_s: float = Field(
         default=2.0,
         ge=0,

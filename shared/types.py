@@ -34,7 +34,7 @@ class CallStatus(StrEnum):
     OK = "ok"
     UPSTREAM_ERROR = "upstream_error"  # the replica answered with an HTTP error or an error event
     FAILED = "failed"  # no usable answer: replica unreachable, timed out, or died mid-stream
-    CLIENT_DISCONNECTED = "client_disconnected"  # the client left before the response ended
+    CLIENT_DISCONNECTED = "client_disconnected"  # the client left before the response ended (or its request did)
     INVALID_REQUEST = "invalid_request"  # rejected by the proxy before reaching a replica
     # The proxy died (kill -9, crash) while the call was in flight: written from its journal on restart.
     INTERRUPTED = "interrupted"

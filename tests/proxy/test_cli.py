@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -19,6 +20,7 @@ import pytest
 from sqlalchemy import create_engine, text
 
 from shared.db.engine import sync_url
+from shared.settings import ProxySettings
 from tests.support.fault_replica import FaultReplica
 from tests.support.servers import free_port, serve_in_thread
 
@@ -245,3 +247,34 @@ def test_no_secret_in_any_log(replica: str, tmp_path: Path, pg_url_with_password
     for secret in (password, admin_token, AGENT_KEY, scoped_key):
         for name, text in texts.items():
             assert secret not in text, f"a secret is in the {name} output"
+
+
+def _get_healthz(sock: socket.socket) -> bytes:
+    """One `GET /healthz` on an open connection: the whole response (head and body) as it came."""
+    sock.sendall(b"GET /healthz HTTP/1.1\r\nhost: proxy\r\n\r\n")
+    got = b""
+    while b"\r\n\r\n" not in got or len(got.partition(b"\r\n\r\n")[2]) < _content_length(got):
+        chunk = sock.recv(65536)
+        assert chunk, f"connection closed mid-response: {got!r}"
+        got += chunk
+    return got
+
+
+def _content_length(response: bytes) -> int:
+    head = response.partition(b"\r\n\r\n")[0].lower()
+    return next(int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.startswith(b"content-length:"))
+
+
+def test_idle_client_connections_outlive_the_clients_pools(replica: str, tmp_path: Path) -> None:
+    # The default outlasts the idle expiry of httpx's pool (5 s) and aiohttp's (15 s): the client,
+    # not the proxy, closes an idle connection, so no call is sent on one the proxy is closing.
+    assert ProxySettings().keep_alive_s > max(httpx.Limits().keepalive_expiry or 0, 15)
+    port, db_url = free_port(), f"sqlite:///{tmp_path / 'ka.db'}"
+    args = ["--replica", replica, "--db", db_url, "--host", "127.0.0.1", "--port", str(port)]
+    with running(args, tmp_path, port, ROLLTAP_PROXY__KEEP_ALIVE_S="2"), \
+            socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        assert _get_healthz(sock).startswith(b"HTTP/1.1 200")
+        time.sleep(1.0)  # idle for less than keep_alive_s: the same connection still serves
+        assert _get_healthz(sock).startswith(b"HTTP/1.1 200")
+        time.sleep(3.0)  # idle for longer: the proxy has closed it
+        assert sock.recv(65536) == b""

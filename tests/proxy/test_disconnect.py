@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import re
+import socket
 import time
 from typing import Any
 
@@ -87,3 +89,30 @@ def test_disconnect_before_a_whole_answer(proxy_for: ProxyFactory) -> None:
     assert call["status"] == "client_disconnected"
     assert call["error"]["type"] == "client_disconnected"
     assert call["response"] is None
+
+
+def _hang_up_mid_body(proxy_url: str, path: str) -> None:
+    """Send a POST's headers and part of its body, then close the connection."""
+    port = int(proxy_url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        sock.sendall(f"POST {path} HTTP/1.1\r\nhost: proxy\r\ncontent-type: application/json\r\n"
+                     "content-length: 1000\r\n\r\n".encode() + b'{"model": "m", ')
+        time.sleep(0.3)  # the proxy is now reading the body
+
+
+def test_disconnect_before_the_request_body_is_read(proxy_for: ProxyFactory, caplog: pytest.LogCaptureFixture) -> None:
+    # The client sends its headers and part of the body, then hangs up: the call is recorded
+    # `client_disconnected` with nothing relayed, not as an error of the proxy's (no traceback),
+    # and the proxy goes on serving.
+    replica = FaultReplica()
+    with serve_in_thread(replica) as (url, _), proxy_for([url]) as proxy, caplog.at_level(logging.INFO):
+        _hang_up_mid_body(proxy.url, "/rollout/d4/attempt/a1/v1/chat/completions")
+        _wait(lambda: httpx.get(f"{proxy.url}/rollout/d4/attempt/a1").json().get("calls"))
+        (call,) = httpx.get(f"{proxy.url}/rollout/d4/attempt/a1").json()["calls"]
+        ok = httpx.post(f"{proxy.base_url('d4', 'a2')}/chat/completions", json={"model": "m", "messages": []})
+        assert ok.status_code == 200
+    assert call["status"] == "client_disconnected"
+    assert call["error"]["type"] == "client_disconnected"
+    assert call["request"] is None and call["response"] is None
+    assert replica.stats.requests == 1  # only the last call reached the replica
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]

@@ -14,6 +14,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from proxy.app import create_app
+from proxy.main import server_config
 from shared.settings import Settings
 
 
@@ -35,12 +36,13 @@ class RunningProxy:
 
 
 @contextmanager
-def serve_in_thread(app: Any, *, port: int = 0, graceful_s: int = 10,
-                    startup_timeout_s: float = 60.0) -> Iterator[tuple[str, uvicorn.Server]]:
-    """Serve an ASGI app with a real uvicorn server for the duration of the block."""
-    port = port or free_port()
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", access_log=False,
-                            lifespan="on", timeout_graceful_shutdown=graceful_s)
+def serve_in_thread(app: Any, *, port: int = 0, graceful_s: int = 10, startup_timeout_s: float = 60.0,
+                    config: uvicorn.Config | None = None) -> Iterator[tuple[str, uvicorn.Server]]:
+    """Serve an ASGI app with a real uvicorn server for the duration of the block (`config`: the
+    server's own configuration, on a port of its own, instead of a plain one)."""
+    port = config.port if config is not None else port or free_port()
+    config = config or uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", access_log=False,
+                                      lifespan="on", timeout_graceful_shutdown=graceful_s)
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, name=f"proxy-{port}", daemon=True)
     thread.start()
@@ -60,7 +62,9 @@ def serve_in_thread(app: Any, *, port: int = 0, graceful_s: int = 10,
 
 @contextmanager
 def run_proxy(settings: Settings) -> Iterator[RunningProxy]:
-    """Serve `create_app(settings)` for the duration of the block (graceful stop at exit)."""
+    """Serve `create_app(settings)` as `rolltap-proxy` configures its server, for the duration of the
+    block (graceful stop at exit)."""
     app = create_app(settings)
-    with serve_in_thread(app, port=settings.proxy.port, graceful_s=int(settings.proxy.shutdown_timeout_s)) as (url, server):
+    config = server_config(app, settings, port=settings.proxy.port or free_port())
+    with serve_in_thread(app, graceful_s=int(settings.proxy.shutdown_timeout_s), config=config) as (url, server):
         yield RunningProxy(url, app, server, settings)
