@@ -218,6 +218,7 @@ def create_app(settings: Settings) -> ProxyApp:
         app.state.settings = settings
         app.state.reader = reader
         app.state.recorder = recorder
+        app.state.journal = journal
         app.state.balancer = balancer
         app.state.policy = policy
         app.state.admission = admission

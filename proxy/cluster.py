@@ -52,7 +52,7 @@ from proxy import store
 from proxy.admission import Admission
 from proxy.balancer import Balancer
 from proxy.policy import ActivePolicy
-from shared.errors import ServiceUnavailable
+from shared.errors import DatabaseUnavailable, ServiceUnavailable
 from shared.settings import ClusterSettings
 from shared.types import CallRecord, CallStatus
 
@@ -234,9 +234,13 @@ class Cluster:
         deadline = asyncio.get_running_loop().time() + timeout_s
         delay = 0.002
         while True:
-            async with self._engine.connect() as conn:
-                if await store.count_leases(conn, *key) == 0:
-                    return True
+            try:
+                async with self._engine.connect() as conn:
+                    if await store.count_leases(conn, *key) == 0:
+                        return True
+            except Exception as exc:  # noqa: BLE001 - any database error here means "cannot confirm now"
+                raise DatabaseUnavailable(f"database unreachable: {exc.__class__.__name__}",
+                                          retry_after_s=1.0) from exc
             if asyncio.get_running_loop().time() >= deadline:
                 return False
             await asyncio.sleep(delay)

@@ -26,15 +26,17 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import dataclasses
 import fcntl
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from operator import attrgetter
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 
@@ -44,6 +46,7 @@ from shared.verbatim import ExactJsonError, dumps_exact, loads_exact
 __all__ = ["Journal", "Recovery", "recover"]
 
 logger = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 _LOCK_SUFFIX = ".lock"
 _FIELDS = tuple(f.name for f in dataclasses.fields(CallRecord))
@@ -75,6 +78,7 @@ class Journal:
         self._written = 0  # writes so far, and the count the last fsync covered
         self._synced = 0
         self._sync_task: asyncio.Task[None] | None = None
+        self.error: str | None = None  # the last write's `OSError` while the disk refuses writes
 
     @property
     def owner(self) -> str:
@@ -98,6 +102,9 @@ class Journal:
         return self.directory / f"{self._owner}.{n:06d}.jsonl"
 
     def _open_segment(self) -> None:
+        # The new file first: when the disk refuses it, the current segment stays open.
+        fd = self._guard(os.open, self._segment_path(self._segment + 1), os.O_WRONLY | os.O_CREAT | os.O_APPEND,
+                         0o644)
         if self._fd >= 0:
             os.close(self._fd)
             if self._segment_calls.get(self._segment, 0) == 0:
@@ -105,14 +112,36 @@ class Journal:
         self._segment += 1
         self._size = 0
         self._segment_calls[self._segment] = 0
-        self._fd = os.open(self._segment_path(self._segment), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        self._fd = fd
 
     def _remove_segment(self, n: int) -> None:
         self._segment_calls.pop(n, None)
         self._segment_path(n).unlink(missing_ok=True)
 
+    def _guard(self, write: Callable[..., _T], *args: Any) -> _T:
+        """Run a disk write; an `OSError` (disk full, read-only, I/O error) marks the journal failing."""
+        try:
+            result = write(*args)
+        except OSError as exc:
+            if self.error is None:
+                logger.error("journal: %s refuses writes (%s); new calls are refused until it takes them again",
+                             self.directory, exc)
+            self.error = f"{exc.__class__.__name__}: {exc.strerror or exc}"
+            raise
+        if self.error is not None:
+            logger.info("journal: %s takes writes again", self.directory)
+            self.error = None
+        return result
+
     def _append(self, line: bytes) -> None:
-        _write_all(self._fd, line)
+        try:
+            self._guard(_write_all, self._fd, line)
+        except OSError:
+            # A full disk can take part of a line: cut it off, or the next line would be glued to it
+            # (and both lost to recovery). Truncating frees space, so it works on a full disk.
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._fd, self._size)
+            raise
         self._size += len(line)
         self._written += 1
 
@@ -120,12 +149,13 @@ class Journal:
 
     def started(self, call_id: str, rollout_id: str | None, attempt_id: str | None, route: str,
                 started_at: datetime, arrival: int) -> None:
+        """Journal a call's start. Raises `OSError` when the disk refuses it (the call must not go on)."""
         if self._size >= self._segment_bytes:
             self._open_segment()
-        self._open_calls[call_id] = self._segment
-        self._segment_calls[self._segment] += 1
         self._append(orjson.dumps({"s": call_id, "r": rollout_id, "a": attempt_id, "route": route,
                                    "t": started_at, "n": arrival}) + b"\n")
+        self._open_calls[call_id] = self._segment
+        self._segment_calls[self._segment] += 1
 
     def request(self, call_id: str, payload: bytes) -> None:
         """The request as sent upstream: `payload` is already JSON, spliced in without re-encoding."""
@@ -160,7 +190,7 @@ class Journal:
 
     async def _sync_once(self) -> None:
         upto = self._written
-        await asyncio.get_running_loop().run_in_executor(None, os.fsync, self._fd)
+        await asyncio.get_running_loop().run_in_executor(None, self._guard, os.fsync, self._fd)
         self._synced = max(self._synced, upto)
 
     def durable(self, records: list[CallRecord]) -> None:

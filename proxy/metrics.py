@@ -14,6 +14,8 @@ from shared.types import Route
 
 __all__ = [
     "DEAD_LETTER_RECORDS",
+    "JOURNAL_WRITE_FAILURES",
+    "RECORDS_HELD",
     "RECORDER_QUEUE",
     "RECORDER_WRITE_SECONDS",
     "RECORDS_SPOOLED",
@@ -49,4 +51,12 @@ RECORDS_UNDURABLE = Counter(
 )
 DEAD_LETTER_RECORDS = Gauge(
     "rolltap_dead_letter_records", "Call records waiting in the dead-letter spool (`rolltap-proxy spool list`)"
+)
+JOURNAL_WRITE_FAILURES = Counter(
+    "rolltap_journal_write_failures_total",
+    "Call records the proxy's disk refused to journal (full, read-only, I/O error); each still went to the recorder",
+)
+RECORDS_HELD = Gauge(
+    "rolltap_records_held_in_memory",
+    "Call records waiting in memory because neither the database nor the proxy's disk took them",
 )

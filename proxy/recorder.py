@@ -129,7 +129,13 @@ class Recorder:
         self._task: asyncio.Task[None] | None = None
         self._next_retry = 0.0
         self.is_db_healthy = True
+        self._outage = asyncio.Event()  # set while `is_db_healthy` is False: wakes `finish` barriers
         self._has_spool = False
+        # Records neither the database nor the disk took (an outage on a full disk), oldest first:
+        # kept here, retried every `retry_interval_s`, and new calls are refused meanwhile.
+        self._held: list[CallRecord] = []
+        self._dead_held: list[tuple[CallRecord, str]] = []  # dead letters the disk refused
+        self._storage_error: str | None = None
         self.written_total = 0
 
     # -- the hot path -------------------------------------------------------------------
@@ -163,15 +169,21 @@ class Recorder:
             raise DatabaseUnavailable("database write did not complete in time", retry_after_s=1.0) from exc
 
     async def wait_durable(self, key: Key, timeout_s: float) -> bool:
-        """Wait until every call of `key` that started so far is committed. False on timeout."""
+        """Wait until every call of `key` that started so far is committed. False on timeout, and at
+        once while the database is unreachable (or an outage begins meanwhile): nothing would commit
+        before it returns, and the caller answers 503 with Retry-After rather than hang."""
         pending = self._pending.get(key)
         if pending is None or pending.count == 0:
             return True
-        try:
-            await asyncio.wait_for(pending.idle.wait(), timeout_s)
-        except TimeoutError:
+        if not self.is_db_healthy:
             return False
-        return True
+        waits = [asyncio.ensure_future(pending.idle.wait()), asyncio.ensure_future(self._outage.wait())]
+        try:
+            await asyncio.wait(waits, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for wait in waits:
+                wait.cancel()
+        return pending.idle.is_set()
 
     def _done(self, records: list[CallRecord]) -> None:
         if self._on_durable is not None:
@@ -192,8 +204,9 @@ class Recorder:
         return self._queue.qsize()
 
     @property
-    def spooled_batches(self) -> int:
-        return len(self._spool.files())
+    def local_storage_error(self) -> str | None:
+        """Why records wait in memory (the spool's disk refuses writes); None when none do."""
+        return self._storage_error if self._held or self._dead_held else None
 
     async def recover(self, records: list[CallRecord]) -> None:
         """Before `start`: write records a dead process journaled, ahead of any new call.
@@ -210,7 +223,7 @@ class Recorder:
         try:
             await self._write(records, skip_existing=True)
         except Exception as exc:  # noqa: BLE001 - classified below
-            if not _is_outage(exc):
+            if not is_outage(exc):
                 await self._write_one_by_one(records)
                 return
             self._on_outage(exc)
@@ -286,9 +299,26 @@ class Recorder:
                 while not self._queue.empty():
                     rest.append(self._queue.get_nowait())
                 await self._write_batch([i for i in rest if not isinstance(i, _Stop)])
+                if self._held:
+                    logger.error("recorder: stopping with %d record(s) that neither the database nor the disk "
+                                 "took; only the journal (if it could be written) keeps them", len(self._held))
                 return
 
     async def _write_batch(self, batch: list[Item]) -> None:
+        """Write a batch; whatever goes wrong, the writer lives on and no record is let go of."""
+        try:
+            await self._write_items(batch)
+        except Exception:  # noqa: BLE001 - a bug here must not stop every later write
+            logger.exception("recorder: writing a batch failed; its records are held and retried")
+            records = [i for i in batch if isinstance(i, CallRecord)]
+            self._held.extend(r for r in records if r not in self._held)
+            self._has_spool = True
+            self._storage_error = self._storage_error or "the writer failed (see the log)"
+            for item in batch:
+                if isinstance(item, _OpItem) and not item.future.done():
+                    item.future.set_exception(DatabaseUnavailable("database write failed", retry_after_s=1.0))
+
+    async def _write_items(self, batch: list[Item]) -> None:
         records = [i for i in batch if isinstance(i, CallRecord)]
         ops = [i for i in batch if isinstance(i, _OpItem)]
         if self._has_spool:
@@ -315,6 +345,7 @@ class Recorder:
             await self._write_one_by_one(records)
             return
         metrics.RECORDER_WRITE_SECONDS.observe(time.perf_counter() - started)
+        self._mark_healthy()
         self.written_total += len(records)
         metrics.RECORDS_WRITTEN.inc(len(records))
         self._done(records)
@@ -333,11 +364,26 @@ class Recorder:
             write_calls_sync(conn, records, skip_existing=skip_existing)
 
     def _spool_write(self, records: list[CallRecord]) -> None:
-        self._spool.write(records)
+        """Spool `records` behind any held in memory; when the disk refuses them, hold them in memory."""
         self._has_spool = True
+        batch = [*self._held, *records]
+        if not batch:
+            return
+        try:
+            self._spool.write(batch)
+        except OSError as exc:
+            if not self._held:
+                logger.error("recorder: the spool's disk refuses writes (%s); %d record(s) held in memory, new "
+                             "calls refused until the database or the disk takes them", exc, len(batch))
+            self._held = batch
+            self._storage_error = f"spool: {exc.__class__.__name__}: {exc.strerror or exc}"
+            metrics.RECORDS_HELD.set(len(self._held))
+            return
+        self._held = []
+        metrics.RECORDS_HELD.set(0)
         metrics.RECORDS_SPOOLED.inc(len(records))
         if self._on_durable is not None:
-            self._on_durable(records)  # fsynced on disk: as safe as the journal
+            self._on_durable(batch)  # fsynced on disk: as safe as the journal
 
     async def _write_one_by_one(self, records: list[CallRecord]) -> None:
         for record in records:
@@ -357,10 +403,10 @@ class Recorder:
         Never dropped, never retried forever: `rolltap-proxy spool replay` writes it once the
         cause is fixed. Its `undurable_calls` row makes `finish` and GET attempt say so.
         """
-        reason = f"{exc.__class__.__name__}: {str(getattr(exc, 'orig', None) or exc).splitlines()[0][:500]}"
+        reason = f"{exc.__class__.__name__}: {(str(getattr(exc, 'orig', None) or exc).splitlines() or [''])[0][:500]}"
         dead = self._spool.directory / "dead"
         logger.error("recorder: call %s cannot be written (%s); kept in %s", record.call_id, reason, dead)
-        Spool(dead).write([record], reason)
+        self._keep_dead(record, reason)
         metrics.RECORDS_UNDURABLE.inc()
         try:
             if self._thread is not None and self._sync_engine is not None:
@@ -373,6 +419,17 @@ class Recorder:
                         await conn.run_sync(release_leases_sync, [record.call_id])
         except Exception:  # noqa: BLE001 - the dead-letter file is kept; /readyz counts it
             logger.exception("recorder: could not note undurable call %s in the database", record.call_id)
+
+    def _keep_dead(self, record: CallRecord, reason: str) -> bool:
+        """Write a dead letter to disk; held in memory (and retried) while the disk refuses it."""
+        try:
+            Spool(self._spool.directory / "dead").write([record], reason)
+        except OSError as exc:
+            self._dead_held.append((record, reason))
+            self._storage_error = f"dead-letter spool: {exc.__class__.__name__}: {exc.strerror or exc}"
+            self._has_spool = True
+            return False
+        return True
 
     def _note_undurable_sync(self, record: CallRecord, reason: str) -> None:
         assert self._sync_engine is not None
@@ -388,12 +445,21 @@ class Recorder:
         if self.is_db_healthy:
             logger.error("recorder: database unreachable (%s); spooling to %s", exc, self._spool.directory)
         self.is_db_healthy = False
+        self._outage.set()
         self._next_retry = time.monotonic() + self._settings.retry_interval_s
 
+    def _mark_healthy(self) -> None:
+        if not self.is_db_healthy:
+            logger.info("recorder: database reachable again")
+        self.is_db_healthy = True
+        self._outage.clear()
+
     async def _replay_spool(self) -> bool:
-        """Write spooled batches back in order. True when the spool is empty afterwards."""
+        """Write spooled batches back in order, then those held in memory. True when none is left."""
         if time.monotonic() < self._next_retry:
             return False
+        while self._dead_held and self._keep_dead(*self._dead_held[0]):
+            self._dead_held.pop(0)
         for path in self._spool.files():
             records = Spool.read(path)
             try:
@@ -410,10 +476,34 @@ class Recorder:
             self.written_total += len(records)
             metrics.RECORDS_WRITTEN.inc(len(records))
             self._done(records)
-        if not self.is_db_healthy:
-            logger.info("recorder: database reachable again; spool replayed")
-        self.is_db_healthy = True
+        if self._held and not await self._write_held():
+            return False
+        if self._dead_held:
+            self._next_retry = time.monotonic() + self._settings.retry_interval_s
+            return False
+        self._mark_healthy()
         self._has_spool = False
+        return True
+
+    async def _write_held(self) -> bool:
+        """Records held in memory: to the database, else to the disk if it takes them again."""
+        held = self._held
+        try:
+            await self._write(held, skip_existing=True)
+        except Exception as exc:  # noqa: BLE001 - classified below
+            if is_outage(exc):
+                self._on_outage(exc)
+                self._spool_write([])  # at least onto the disk, if it has room again
+                return False
+            self._held = []
+            await self._write_one_by_one(held)
+        else:
+            self._held = []
+            self.written_total += len(held)
+            metrics.RECORDS_WRITTEN.inc(len(held))
+            self._done(held)
+        metrics.RECORDS_HELD.set(0)
+        logger.info("recorder: %d record(s) held in memory are written", len(held))
         return True
 
     def _op_error(self, exc: Exception) -> Exception:
@@ -438,5 +528,6 @@ class Recorder:
             if not item.future.done():
                 item.future.set_exception(exc)
             return
+        self._mark_healthy()
         if not item.future.done():
             item.future.set_result(result)

@@ -45,7 +45,14 @@ from proxy.sampling import check_sampling
 from proxy.sse import SseParser
 from proxy.stream import RelayStream
 from proxy.upstream import Upstream, forwardable_headers
-from shared.errors import InvalidRequest, RolltapError, ServiceUnavailable, UpstreamTimeout, UpstreamUnavailable
+from shared.errors import (
+    InvalidRequest,
+    LocalStorageFailed,
+    RolltapError,
+    ServiceUnavailable,
+    UpstreamTimeout,
+    UpstreamUnavailable,
+)
 from shared.settings import ProxySettings
 from shared.types import CallRecord, CallStatus, Route
 from shared.verbatim import MAX_DEPTH, ExactJsonError, depth_of, dumps_exact, loads_exact
@@ -115,11 +122,10 @@ class Relay:
         if self._cluster is not None and rollout_id and attempt_id:
             call.lease = self._cluster.lease(call.call_id, rollout_id, attempt_id, route, call.started_at)
         self._drain.call_started()
-        if self._journal is not None:
-            self._journal.started(call.call_id, rollout_id, attempt_id, route, call.started_at, call.arrival)
         finishes_later = False  # a stream records itself when it ends
         watcher: asyncio.Task[None] | None = None
         try:
+            self._journal_start(call)
             if self._drain.is_draining:
                 raise ServiceUnavailable("the proxy is shutting down and takes no new calls; retry on another "
                                          "proxy or once it is back", code="proxy_draining", retry_after_s=1.0)
@@ -145,7 +151,7 @@ class Relay:
                 headers |= self.trace_headers(call)
             payload = self.payload(call, body)
             if self._journal is not None:
-                self._journal.request(call.call_id, payload)
+                self._local_write(self._journal.request, call.call_id, payload)
             upstream, replica = await self._send(call, payload, headers)
             content_type = upstream.headers.get("content-type", "")
             if upstream.status == 200 and content_type.startswith("text/event-stream"):
@@ -181,6 +187,21 @@ class Relay:
                 watcher.cancel()  # a stream watches for itself (`RelayStream`)
             if not finishes_later:
                 await self.record(call)
+
+    def _journal_start(self, call: CallState) -> None:
+        """Refuse a new call, before anything goes upstream, while this proxy's disk cannot keep it safe."""
+        if self._recorder.local_storage_error is not None:
+            raise _storage_failed(self._recorder.local_storage_error)
+        if self._journal is not None:
+            self._local_write(self._journal.started, call.call_id, call.rollout_id, call.attempt_id, call.route,
+                              call.started_at, call.arrival)
+
+    @staticmethod
+    def _local_write(write: Callable[..., None], *args: Any) -> None:
+        try:
+            write(*args)
+        except OSError as exc:
+            raise _storage_failed(f"{exc.__class__.__name__}: {exc.strerror or exc}") from exc
 
     @staticmethod
     async def _watch_disconnect(request: Request, call: CallState, handler: asyncio.Task[Any] | None) -> None:
@@ -380,8 +401,14 @@ class Relay:
         record = self._build(call)
         call.sealed, call.sealed_len = record, len(call.body)
         if self._journal is not None:
-            self._journal.ended(record)
-            await self._journal.sync()
+            try:
+                self._journal.ended(record)
+                await self._journal.sync()
+            except OSError:
+                # The disk filled (or failed) under a call in progress: the client still gets its
+                # answer whole, and the record goes on to the recorder (the database, or the spool and
+                # memory), only without the crash copy. The journal logs it; new calls are refused.
+                metrics.JOURNAL_WRITE_FAILURES.inc()
         return record
 
     async def record(self, call: CallState) -> None:
@@ -434,6 +461,11 @@ class Relay:
         if call.body:
             _fill_response(record, call)
         return record
+
+
+def _storage_failed(reason: str) -> LocalStorageFailed:
+    return LocalStorageFailed(f"the proxy cannot keep this call safe on its own disk ({reason}); retry shortly, "
+                              "or on another proxy", retry_after_s=1.0)
 
 
 def _fill_response(record: CallRecord, call: CallState) -> None:

@@ -190,9 +190,10 @@ def write_calls_sync(conn: Connection, records: list[CallRecord], *, skip_existi
     if release_leases and records:
         release_leases_sync(conn, [r.call_id for r in records])
     if skip_existing and records:
-        existing = set(
-            conn.execute(select(Call.call_id).where(Call.call_id.in_([r.call_id for r in records]))).scalars()
-        )
+        existing: dict[str, str] = {call_id: status for call_id, status in conn.execute(
+            select(Call.call_id, Call.status).where(Call.call_id.in_([r.call_id for r in records])))}
+        _upgrade_interrupted_sync(conn, [r for r in records if existing.get(r.call_id) == CallStatus.INTERRUPTED
+                                         and r.status != CallStatus.INTERRUPTED])
         records = [r for r in records if r.call_id not in existing]
     if not records:
         return 0
@@ -218,6 +219,24 @@ def write_calls_sync(conn: Connection, records: list[CallRecord], *, skip_existi
     rows.extend(_row(r, None) for r in untracked)
     conn.execute(_INSERT_CALLS[conn.dialect.name], rows)
     return len(rows)
+
+
+_UPGRADE_COLUMNS = tuple(name for name in (*_ROW_FIELDS, "json_exact")
+                         if name not in ("call_id", "rollout_id", "attempt_id"))
+
+
+def _upgrade_interrupted_sync(conn: Connection, records: list[CallRecord]) -> None:
+    """Replace `interrupted` rows with the complete records of the same calls, keeping their seq.
+
+    A live proxy records the calls of one it took for dead as `interrupted` (`proxy.cluster`); when
+    the dead one comes back (its journal, or its spool after it was cut off), its complete records
+    win. Only that way: a complete record is never touched.
+    """
+    for record in records:
+        row = _row(record, None)
+        values = {name: row[name] for name in _UPGRADE_COLUMNS}
+        conn.execute(update(Call).where(Call.call_id == record.call_id, Call.status == CallStatus.INTERRUPTED)
+                     .values(**values))
 
 
 async def write_calls(conn: AsyncConnection, records: list[CallRecord], *, skip_existing: bool = False,

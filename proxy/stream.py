@@ -29,6 +29,10 @@ def is_terminal(chunk: bytes) -> bool:
             or (b'"type":"response.' in chunk and any(marker in chunk for marker in _RESPONSES_END)))
 
 
+class _SourceFailed(Exception):
+    """The stream's source (the replica) failed; its error is the `__cause__`."""
+
+
 class RelayStream(Response):
     """An ASGI response that relays a stream as it arrives and always finishes the call.
 
@@ -96,9 +100,16 @@ class RelayStream(Response):
                     relay.cancel()
 
             watcher = asyncio.get_running_loop().create_task(watch_disconnect())
+            chunks = self._chunks.__aiter__()
             try:
                 try:
-                    async for chunk in self._chunks:
+                    while True:
+                        try:
+                            chunk = await chunks.__anext__()
+                        except StopAsyncIteration:
+                            break
+                        except Exception as exc:  # noqa: BLE001 - any source failure ends the stream alike
+                            raise _SourceFailed from exc
                         if not truncated and kept_bytes + len(chunk) <= self._max_kept:
                             kept.append(chunk)
                             kept_bytes += len(chunk)
@@ -114,9 +125,11 @@ class RelayStream(Response):
                         is_complete = True
                         await self._seal(b"".join(kept), truncated)
                     await send({"type": "http.response.body", "body": b"", "more_body": False})
-                except Exception as exc:  # noqa: BLE001 - any source failure ends the stream the same way
+                except _SourceFailed as failed:
+                    # Only the replica's side counts here: our own errors (the seal, the client's
+                    # socket) must never be blamed on the replica (and get it ejected).
                     is_complete = True
-                    error = self._on_source_error(exc)
+                    error = self._on_source_error(failed.__cause__ or failed)
                     event = b"data: " + orjson.dumps({"error": error}) + b"\n\n"
                     if not truncated:
                         kept.append(event)  # the record keeps the bytes the client got, this event too

@@ -14,8 +14,10 @@
     │   ├── UpstreamUnavailable (503, upstream_unavailable): no replica could be reached
     │   └── DatabaseUnavailable (503, database_unavailable)
     ├── UpstreamTimeout (504, upstream_timeout)
-    └── NotDurable (507, storage_error, code=attempt_not_durable): a call record of the
-        attempt was refused by the database (not an outage); it waits in the dead-letter spool
+    ├── NotDurable (507, storage_error, code=attempt_not_durable): a call record of the
+    │   attempt was refused by the database (not an outage); it waits in the dead-letter spool
+    └── LocalStorageFailed (507, storage_error, code=local_storage_unavailable): the proxy's own
+        disk (journal, spool) refuses writes; new calls are refused until it takes them again
 
 The proxy renders them as `{"error": {"message", "type", "param", "code"}}` in one
 handler (`proxy/errors.py`); nothing here imports a web framework.
@@ -30,6 +32,7 @@ __all__ = [
     "HeadersTooLarge",
     "InvalidId",
     "InvalidRequest",
+    "LocalStorageFailed",
     "NotDurable",
     "NotFound",
     "PayloadTooLarge",
@@ -135,3 +138,12 @@ class NotDurable(RolltapError):
     status_code = 507
     type = "storage_error"
     code = "attempt_not_durable"
+
+
+class LocalStorageFailed(RolltapError):
+    # 507 as well, but with Retry-After: the proxy's disk (full, read-only, I/O errors) cannot
+    # journal a new call, so it is refused before anything goes upstream; it passes once the
+    # disk takes writes again, with nothing to replay by hand.
+    status_code = 507
+    type = "storage_error"
+    code = "local_storage_unavailable"

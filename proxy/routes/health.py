@@ -35,6 +35,12 @@ async def _database_ok(request: Request) -> bool:
     return True
 
 
+def _local_storage_error(request: Request) -> str | None:
+    journal = request.app.state.journal
+    error: str | None = request.app.state.recorder.local_storage_error
+    return error or (f"journal: {journal.error}" if journal is not None and journal.error else None)
+
+
 @router.get("/readyz")
 async def readyz(request: Request) -> Response:
     state = request.app.state
@@ -43,12 +49,15 @@ async def readyz(request: Request) -> Response:
         "replica": state.balancer.has_healthy,
         "recorder_queue_depth": state.recorder.queue_depth,
         "dead_letter_records": state.recorder.dead_letter_records,
+        "local_storage": _local_storage_error(request) or "ok",
         "draining": state.drain.is_draining,  # SIGTERM: takes no new relayed calls
     }
     ready = bool(checks["database"] and checks["replica"] and not checks["draining"])
-    # Degraded: still serving (200, so a load balancer keeps sending calls), but records the
-    # database refused wait in the dead-letter spool for `rolltap-proxy spool replay`.
-    status = ("degraded" if checks["dead_letter_records"] else "ready") if ready else "not_ready"
+    # Degraded: still answering (200: lifecycle calls and calls in flight go on), but records the
+    # database refused wait in the dead-letter spool for `rolltap-proxy spool replay`, or the
+    # proxy's own disk refuses writes (new relayed calls get 507 until it takes them again).
+    is_degraded = checks["dead_letter_records"] or checks["local_storage"] != "ok"
+    status = ("degraded" if is_degraded else "ready") if ready else "not_ready"
     return JSONResponse({"status": status, "checks": checks}, status_code=200 if ready else 503)
 
 

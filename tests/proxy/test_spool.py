@@ -11,68 +11,20 @@ transaction, a backup): the writer waits `sqlite_busy_timeout_ms`, then gets
 
 from __future__ import annotations
 
-import sqlite3
-import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 import orjson
-import pytest
 from sqlalchemy import create_engine, text
-from sqlalchemy.engine import make_url
 
 from shared.db.engine import sync_url
 from shared.settings import Settings
-from tests.support.databases import postgres_database
 from tests.support.fault_replica import FaultReplica
 from tests.support.servers import run_proxy, serve_in_thread
-from tests.support.tcp_tap import TcpTap
+from tests.support.db_outage import Outage, wait_until
 
 CALLS_DURING_OUTAGE = 6
-
-
-@dataclass
-class Outage:
-    proxy_url: str  # the database URL the proxy is given (through the fault)
-    read_url: str  # the same database, around the fault, for the test's own reads
-    cut: Callable[[], None]
-    restore: Callable[[], None]
-
-
-class SqliteWriteLock:
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.conn: sqlite3.Connection | None = None
-
-    def cut(self) -> None:
-        self.conn = sqlite3.connect(self.path, isolation_level=None, timeout=10)
-        self.conn.execute("BEGIN EXCLUSIVE")
-
-    def restore(self) -> None:
-        if self.conn is not None:
-            self.conn.execute("ROLLBACK")
-            self.conn.close()
-            self.conn = None
-
-
-@pytest.fixture(params=["sqlite", "postgresql"])
-def outage(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Outage]:
-    if request.param == "sqlite":
-        lock = SqliteWriteLock(tmp_path / "rolltap.db")
-        url = f"sqlite:///{lock.path}"
-        try:
-            yield Outage(url, url, lock.cut, lock.restore)
-        finally:
-            lock.restore()
-        return
-    with postgres_database() as url:
-        parsed = make_url(url)
-        with TcpTap(parsed.host or "127.0.0.1", parsed.port or 5432) as tap:
-            tapped = parsed.set(host="127.0.0.1", port=tap.port).render_as_string(hide_password=False)
-            yield Outage(tapped, url, tap.cut, tap.restore)
 
 
 def _settings(outage: Outage, replica: str, spool: Path) -> Settings:
@@ -81,17 +33,6 @@ def _settings(outage: Outage, replica: str, spool: Path) -> Settings:
         proxy={"replicas": [replica], "port": 0, "health_interval_s": 0.5, "shutdown_timeout_s": 10, "open_access": True,
                "recorder": {"spool_dir": str(spool), "retry_interval_s": 0.2}},
     )
-
-
-def wait_until(predicate: Callable[[], Any], timeout_s: float = 20.0, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 def _rows(url: str) -> list[Any]:
