@@ -214,6 +214,8 @@ def create_app(settings: Settings) -> ProxyApp:
         cluster = (Cluster(settings.proxy.cluster, settings.db.url, cluster_db, policy, admission, balancer)
                    if cluster_db is not None else None)
         balancer.hash_rollouts = cluster is not None  # every proxy binds a rollout to the same replica
+        if cluster is not None:
+            recorder.on_committed = cluster.committed  # unleased calls are accounted for once committed
         app.state.cluster = cluster
         app.state.settings = settings
         app.state.reader = reader

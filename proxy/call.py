@@ -71,7 +71,7 @@ class CallState:
     has_left: bool = False  # the client disconnected before the end
     sealed: CallRecord | None = None  # the record journaled before the stream's last byte
     sealed_len: int = 0  # bytes of body the sealed record was built from
-    lease: asyncio.Future[None] | None = None  # its `call_leases` row being written (`proxy.cluster`)
+    lease: asyncio.Future[bool] | None = None  # its `call_leases` row being written (`proxy.cluster`)
     replica_lease: ReplicaLease | None = None  # its place on the replica that answers, until recorded
 
     @property

@@ -13,11 +13,16 @@ Every proxy process (a `--workers` process, or one on another host) is a member:
   silent for `lease_s` is dead and not waited for.
 - Call leases: a tracked call holds a `call_leases` row from its start until the
   transaction that commits its record deletes it, so `finish` on any member can wait for
-  calls in flight on the others. Leases are inserted in batches by one task, off the
-  call's path: the call waits for its lease only before its end reaches the client.
+  calls in flight on the others. Leases are inserted in batches by one task; a call waits
+  for its lease row before it goes upstream (`before_upstream`).
 - The reaper: each member's heartbeat claims the rows of dead members and turns their
-  leases into `interrupted` records, in one transaction (written idempotently by call id,
-  so the dead member's own journal recovery, if it ever runs, adds nothing twice).
+  leases into `interrupted` records, in one transaction (written idempotently by call id;
+  the dead member's own journal recovery, if it ever runs, replaces them with the complete
+  records it journaled and adds nothing twice).
+- Unleased calls: a member that cannot write lease rows (the database is unreachable from
+  it) still serves, but only once the others take it for cut off (its heartbeat `stale_s`
+  old); `finish` waits while any live member is in that state or reports unleased calls
+  not yet committed (`before_upstream`, `wait_accounted`).
 - Replica ejections: a member that ejects a replica (it saw it healthy, then connection
   errors, `eject_after_errors` 5xx in a row or failed probes) holds a `replica_ejections`
   row and `pg_notify`s `REPLICA_CHANNEL`; every member re-reads the rows on the
@@ -40,6 +45,7 @@ import asyncio
 import logging
 import os
 import socket
+import time
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from typing import Any
@@ -88,9 +94,14 @@ class Cluster:
         self._listener: Any = None
         self._drain_task: asyncio.Task[None] | None = None
         self._lease_rows: list[dict[str, Any]] = []
-        self._lease_waiters: list[asyncio.Future[None]] = []
+        self._lease_waiters: list[asyncio.Future[bool]] = []
         self._lease_kick = asyncio.Event()
-        self._leases_ok = True  # False while lease writes fail: calls are not held up for them
+        self._leases_ok = True  # False while lease writes fail: calls go unleased (see `before_upstream`)
+        self._last_beat_ok = time.monotonic()  # the last heartbeat the database took
+        # Another member takes this one for cut off once its heartbeat is this old (and waits for it in
+        # `finish`): twice the beat, well inside `lease_s`.
+        self.stale_s = min(2 * settings.heartbeat_s, settings.lease_s / 2)
+        self.unleased: set[str] = set()  # calls sent upstream without a lease row, not yet committed
         self._replicas_kick = asyncio.Event()
         self.reaped_total = 0
         balancer.eject_hold_s = settings.eject_hold_s
@@ -101,6 +112,7 @@ class Cluster:
     async def start(self) -> None:
         async with self._engine.begin() as conn:
             await store.register_proxy(conn, self.proxy_id, socket.gethostname(), os.getpid())
+        self._last_beat_ok = time.monotonic()  # after the commit: the row's time is no later than this
         await self.sync()
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._listen_loop(), name="rolltap-cluster-listen"),
@@ -191,8 +203,8 @@ class Cluster:
     # -- leases and the `finish` barrier -------------------------------------------------------
 
     def lease(self, call_id: str, rollout_id: str, attempt_id: str, route: str,
-              started_at: datetime) -> asyncio.Future[None] | None:
-        """Queue the call's lease row; the future is done once it is committed (or failed)."""
+              started_at: datetime) -> asyncio.Future[bool] | None:
+        """Queue the call's lease row; the future says whether it was committed."""
         if not self._leases_ok or not self._tasks:
             return None
         future = asyncio.get_running_loop().create_future()
@@ -203,13 +215,55 @@ class Cluster:
         return future
 
     @staticmethod
-    async def held(lease: asyncio.Future[None]) -> None:
-        """Before a call goes upstream (and before its record): its lease is in the database (or given up on)."""
+    async def held(lease: asyncio.Future[bool]) -> bool:
+        """Before a call's record: its lease is in the database (True) or was given up on (False)."""
         if not lease.done():
             try:
                 await asyncio.wait_for(asyncio.shield(lease), _LEASE_WAIT_S)
             except TimeoutError:
                 logger.warning("cluster: a call lease took over %.0f s; not waiting for it", _LEASE_WAIT_S)
+                return False
+        return lease.result()
+
+    async def before_upstream(self, call_id: str, lease: asyncio.Future[bool] | None) -> None:
+        """Before a tracked call goes upstream: its lease row is in the database, so that `finish` on any
+        member waits for it and a live member records it `interrupted` if this one dies.
+
+        When the row cannot be written (the database is unreachable from here), the call still goes
+        (records wait in the spool), but only once every other member takes this one for cut off: its
+        heartbeat is `stale_s` old, and `finish` elsewhere waits for a member in that state until it
+        reports, in a heartbeat, that none of its unleased calls is left uncommitted.
+        """
+        if lease is not None and await self.held(lease):
+            return
+        wait_s = self._last_beat_ok + self.stale_s - time.monotonic()
+        if wait_s > 0:
+            await asyncio.sleep(wait_s)
+        self.unleased.add(call_id)
+
+    def committed(self, records: list[CallRecord]) -> None:
+        """The recorder committed these records (the unleased among them are accounted for now)."""
+        if self.unleased:
+            for record in records:
+                self.unleased.discard(record.call_id)
+
+    async def wait_accounted(self, timeout_s: float) -> list[str]:
+        """Wait until no other live member may hold unleased calls; the members still unaccounted for
+        at the deadline (empty: none)."""
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        delay = 0.01
+        while True:
+            try:
+                async with self._engine.connect() as conn:
+                    missing = await store.unaccounted_proxies(conn, self.proxy_id, self._settings.lease_s,
+                                                              self.stale_s)
+            except Exception as exc:  # noqa: BLE001 - any database error here means "cannot confirm now"
+                raise DatabaseUnavailable(f"database unreachable: {exc.__class__.__name__}",
+                                          retry_after_s=1.0) from exc
+            if not missing or asyncio.get_running_loop().time() >= deadline:
+                return missing
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.1)
 
     async def _lease_loop(self) -> None:
         while True:
@@ -217,17 +271,20 @@ class Cluster:
             self._lease_kick.clear()
             rows, waiters = self._lease_rows, self._lease_waiters
             self._lease_rows, self._lease_waiters = [], []
+            is_written = True
             try:
                 async with self._engine.begin() as conn:
                     await store.add_leases(conn, rows)
-            except Exception as exc:  # noqa: BLE001 - a lease is best effort while the database is down
+            except Exception as exc:  # noqa: BLE001 - the calls go unleased (`before_upstream`)
                 if self._leases_ok:
-                    logger.error("cluster: call leases not written (%s); `finish` on other proxies cannot wait "
-                                 "for this proxy's calls until the database is back", exc.__class__.__name__)
+                    logger.error("cluster: call leases not written (%s); calls go on unleased, and `finish` on "
+                                 "other proxies waits for this one until it reports them committed",
+                                 exc.__class__.__name__)
                 self._leases_ok = False
+                is_written = False
             for waiter in waiters:
                 if not waiter.done():
-                    waiter.set_result(None)
+                    waiter.set_result(is_written)
 
     async def wait_released(self, key: tuple[str, str], timeout_s: float) -> bool:
         """Wait until no proxy holds a lease of the attempt (its calls are recorded). False on timeout."""
@@ -312,11 +369,12 @@ class Cluster:
 
     async def _beat(self) -> None:
         async with self._engine.begin() as conn:
-            if not await store.heartbeat(conn, self.proxy_id, self._balancer.in_flight):
+            if not await store.heartbeat(conn, self.proxy_id, self._balancer.in_flight, len(self.unleased)):
                 logger.error("cluster: this proxy was taken for dead (no heartbeat for %.0f s); joining again",
                              self._settings.lease_s)
                 await store.register_proxy(conn, self.proxy_id, socket.gethostname(), os.getpid())
                 self.epoch = -1
+        self._last_beat_ok = time.monotonic()
         self._leases_ok = True
         self._kick.set()
         self._replicas_kick.set()

@@ -118,6 +118,8 @@ class Recorder:
         `on_durable(records)`: told when records are committed or spooled (the journal lets go of them).
         """
         self._on_durable = on_durable
+        # Told when records are in the database (or noted there as refused); `proxy.cluster` sets it.
+        self.on_committed: Callable[[list[CallRecord]], None] | None = None
         self._release_leases = release_leases  # `proxy.cluster`: a record's commit ends its call's lease
         self._settings = settings
         self._engine = engine
@@ -188,6 +190,8 @@ class Recorder:
     def _done(self, records: list[CallRecord]) -> None:
         if self._on_durable is not None:
             self._on_durable(records)
+        if self.on_committed is not None:
+            self.on_committed(records)
         for record in records:
             key = record.attempt_key
             pending = self._pending.get(key) if key is not None else None

@@ -133,10 +133,11 @@ class Relay:
             call.has_slot = True
             await self._admission.admit()
             raw = call.request_body = await read_body(request, self._max_request)
-            if call.lease is not None:
-                # Nothing goes upstream before its lease is in the database: if this proxy dies from
-                # here on, a live one finds the lease and records the call `interrupted`.
-                await Cluster.held(call.lease)
+            if self._cluster is not None and call.key is not None:
+                # Nothing goes upstream before its lease is in the database (if this proxy dies from
+                # here on, a live one finds the lease and records the call `interrupted`), or before
+                # every other proxy knows to wait for this one (the database is unreachable from here).
+                await self._cluster.before_upstream(call.call_id, call.lease)
             watcher = asyncio.get_running_loop().create_task(
                 self._watch_disconnect(request, call, asyncio.current_task()))
             if self._hosted is not None and (model := self._hosted.model_of(raw)) is not None:

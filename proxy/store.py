@@ -68,6 +68,7 @@ __all__ = [
     "register_proxy",
     "release_leases_sync",
     "set_ejections",
+    "unaccounted_proxies",
 ]
 
 
@@ -479,12 +480,24 @@ async def deregister_proxy(conn: AsyncConnection, proxy_id: str) -> None:
     await conn.execute(delete(Proxy).where(Proxy.proxy_id == proxy_id))
 
 
-async def heartbeat(conn: AsyncConnection, proxy_id: str, in_flight: int) -> bool:
+async def heartbeat(conn: AsyncConnection, proxy_id: str, in_flight: int, unleased: int) -> bool:
     """Refresh this proxy's row; False when it is gone (another proxy took it for dead)."""
     result = await conn.execute(
-        update(Proxy).where(Proxy.proxy_id == proxy_id).values(heartbeat_at=func.now(), in_flight=in_flight)
+        update(Proxy).where(Proxy.proxy_id == proxy_id)
+        .values(heartbeat_at=func.now(), in_flight=in_flight, unleased_calls=unleased)
     )
     return bool(result.rowcount)
+
+
+async def unaccounted_proxies(conn: AsyncConnection, proxy_id: str, lease_s: float, stale_s: float) -> list[str]:
+    """Live proxies (other than `proxy_id`) that may hold calls no lease row shows: silent for over
+    `stale_s` (cut off from the database, so possibly serving unleased calls), or reporting some."""
+    rows = await conn.execute(
+        select(Proxy.proxy_id).where(
+            Proxy.proxy_id != proxy_id, Proxy.heartbeat_at > _expired(lease_s),
+            (Proxy.heartbeat_at <= _expired(stale_s)) | (Proxy.unleased_calls > 0))
+    )
+    return [str(r[0]) for r in rows]
 
 
 async def read_cluster_state(conn: AsyncConnection) -> tuple[int, bool]:

@@ -85,6 +85,14 @@ async def _barrier(request: Request, key: tuple[str, str], timeout_s: float) -> 
     is_durable = await state.recorder.wait_durable(key, timeout_s)
     if is_durable and state.cluster is not None:
         is_durable = await state.cluster.wait_released(key, max(0.0, deadline - time.monotonic()))
+        if is_durable:
+            # A proxy cut off from the database may have served this attempt without lease rows.
+            missing = await state.cluster.wait_accounted(max(0.0, deadline - time.monotonic()))
+            if missing:
+                raise DatabaseUnavailable(
+                    f"proxies {', '.join(missing)} have not reported their calls lately (cut off from the "
+                    "database?); calls of this attempt may still be on them; retry", code="not_durable",
+                    retry_after_s=1.0)
     if not is_durable:
         raise DatabaseUnavailable(
             f"calls of attempt {key[0]}/{key[1]} are not yet durable after {timeout_s:g} s "

@@ -320,6 +320,8 @@ class Proxy(Base):
     started_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=_now())
     heartbeat_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=_now())
     in_flight: Mapped[int] = mapped_column(Integer, nullable=False, server_default="0")
+    # Calls it sent upstream without a lease row (cut off from the database) not yet committed.
+    unleased_calls: Mapped[int] = mapped_column(Integer, nullable=False, server_default="0")
     seen_epoch: Mapped[int] = mapped_column(BigInteger, nullable=False, server_default="0")
     drained_epoch: Mapped[int] = mapped_column(BigInteger, nullable=False, server_default="0")
 

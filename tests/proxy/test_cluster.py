@@ -7,7 +7,11 @@
 - `finish` on one proxy waits for the attempt's call still streaming on another;
 - kill -9 of one of two proxies under load: the other keeps serving; the dead one's calls in
   flight are recorded `interrupted` within the lease time, and its own journal recovery,
-  when it restarts, records nothing twice.
+  when it restarts, records nothing twice;
+- calls a killed proxy answered but had not committed: recorded `interrupted` by the other,
+  then replaced by their complete records when the killed one restarts on its disk;
+- a proxy cut off from the database serves unleased only once the others see it silent, and
+  `finish` on another proxy waits for it until its calls are committed.
 
 PostgreSQL only: SQLite serves one proxy process (`--workers > 1` on it is refused, tested here).
 """
@@ -27,12 +31,14 @@ from pathlib import Path
 import httpx
 import psycopg
 import pytest
+from sqlalchemy.engine import make_url
 
 from tests.support.databases import postgres_database
 from tests.support.fault_replica import FaultReplica
 from tests.support.proxy_process import ROOT, ProxyProcess
 from tests.support.round_robin import RoundRobin
 from tests.support.servers import free_port, serve_in_thread
+from tests.support.tcp_tap import TcpTap
 
 AUTH = {"authorization": "Bearer t"}
 LEASE_S = 2.0
@@ -380,3 +386,86 @@ def test_rollouts_spread_evenly_over_replicas(n_replicas: int) -> None:
     balancer.mark_unreachable(balancer.get(gone), "test")
     other.mark_unreachable(other.get(gone), "test")
     assert all(other.pick(f"rollout-{k}").url == balancer.pick(f"rollout-{k}").url != gone for k in range(200))
+
+
+def test_a_restarted_proxy_upgrades_the_survivors_interrupted_records(tmp_path: Path) -> None:
+    """Calls the client saw complete on a proxy killed before it committed them: the survivor records
+    them `interrupted` (it cannot know better), and the killed proxy, restarted on its disk, replaces
+    them with the complete records from its journal (same call ids and seqs; only interrupted -> ok)."""
+    with ExitStack() as stack:
+        db_url = stack.enter_context(postgres_database())
+        replica = stack.enter_context(serve_in_thread(FaultReplica()))[0]
+        # A holds its records 5 s before writing them (linger): the kill lands in that window.
+        a = ProxyProcess(tmp_path / "a", db_url, [replica], free_port(), **CLUSTER_ENV,
+                         ROLLTAP_PROXY__RECORDER__LINGER_MS="5000")
+        b = ProxyProcess(tmp_path / "b", db_url, [replica], free_port(), **CLUSTER_ENV)
+        for proxy in (a, b):
+            proxy.workdir.mkdir()
+            stack.callback(proxy.stop)
+            proxy.start()
+        calls: dict[str, str] = {}
+        with httpx.Client(timeout=30) as http:
+            for i in range(6):
+                body = {"model": "m", "messages": [{"role": "user", "content": f"u{i}"}], "max_tokens": 4,
+                        "stream": i % 2 == 0}
+                answer = http.post(f"{a.url}/rollout/up{i}/attempt/0/v1/chat/completions", json=body)
+                assert answer.status_code == 200
+                calls[answer.headers["x-rolltap-call-id"]] = f"up{i}"
+            a.kill9()
+            deadline = time.monotonic() + LEASE_S + 10
+            while {str(s) for _, s in _rows(db_url, "SELECT call_id, status FROM calls")} != {"interrupted"} \
+                    or len(_rows(db_url, "SELECT call_id FROM calls")) < len(calls):
+                assert time.monotonic() < deadline, _rows(db_url, "SELECT call_id, status FROM calls")
+                time.sleep(0.1)
+            seqs = dict(_rows(db_url, "SELECT call_id, seq FROM calls"))
+            finished = http.post(f"{b.url}/rollout/up0/attempt/0/finish", json={"status": "succeeded"}).json()
+            assert finished["is_complete"] is False and finished["interrupted_calls"] == 1
+
+            a.start()  # recovery runs before /healthz answers
+            rows = {str(cid): (str(status), seq, tokens) for cid, status, seq, tokens in _rows(
+                db_url, "SELECT call_id, status, seq, completion_token_ids FROM calls")}
+            assert set(rows) == set(calls)  # nothing twice, nothing new
+            for call_id, (status, seq, tokens) in rows.items():
+                assert status == "ok" and seq == seqs[call_id]
+                streamed = int(calls[call_id][2:]) % 2 == 0
+                assert tokens == ([100, 101, 102, 103] if streamed else [7])  # the full record
+            again = http.get(f"{b.url}/rollout/up1/attempt/0").json()
+            assert [c["status"] for c in again["calls"]] == ["ok"]
+
+
+def test_finish_waits_for_a_proxy_cut_off_from_the_database(tmp_path: Path) -> None:
+    """A proxy that cannot write lease rows still serves (its records wait in its spool), but `finish`
+    on another proxy does not call the attempt complete until the cut-off one has committed them."""
+    with ExitStack() as stack:
+        db_url = stack.enter_context(postgres_database())
+        replica = stack.enter_context(serve_in_thread(FaultReplica()))[0]
+        parsed = make_url(db_url)
+        tap = stack.enter_context(TcpTap(parsed.host or "127.0.0.1", parsed.port or 5432))
+        tapped = parsed.set(host="127.0.0.1", port=tap.port).render_as_string(hide_password=False)
+        b = ProxyProcess(tmp_path / "b", db_url, [replica], free_port(), **CLUSTER_ENV,
+                         ROLLTAP_PROXY__FINISH_TIMEOUT_S="1")
+        a = ProxyProcess(tmp_path / "a", tapped, [replica], free_port(), **CLUSTER_ENV,
+                         ROLLTAP_PROXY__RECORDER__RETRY_INTERVAL_S="0.2")
+        for proxy in (b, a):
+            proxy.workdir.mkdir()
+            stack.callback(proxy.stop)
+            proxy.start()
+        with httpx.Client(timeout=30) as http:
+            tap.cut()
+            body = {"model": "m", "messages": [{"role": "user", "content": "cut"}], "max_tokens": 3, "stream": True}
+            answer = http.post(f"{a.url}/rollout/cut/attempt/0/v1/chat/completions", json=body)
+            assert answer.status_code == 200 and answer.text.rstrip().endswith("data: [DONE]")
+            call_id = answer.headers["x-rolltap-call-id"]
+            refused = http.post(f"{b.url}/rollout/cut/attempt/0/finish", json={"status": "succeeded"})
+            assert refused.status_code == 503, refused.text  # not "complete" with the call still on A
+            assert refused.headers["retry-after"] == "1"
+            assert _rows(db_url, "SELECT call_id FROM calls") == []
+
+            tap.restore()
+            deadline = time.monotonic() + 30
+            while (finished := http.post(f"{b.url}/rollout/cut/attempt/0/finish",
+                                         json={"status": "succeeded"})).status_code == 503:
+                assert time.monotonic() < deadline, finished.text
+                time.sleep(0.2)
+            assert finished.status_code == 200 and finished.json()["is_complete"] is True
+            assert _rows(db_url, "SELECT call_id, status FROM calls") == [(call_id, "ok")]
