@@ -12,12 +12,15 @@ from __future__ import annotations
 import hmac
 import math
 import time
+from collections.abc import Callable, Coroutine
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 from urllib.parse import parse_qs
 
 from fastapi import APIRouter, Request
 from fastapi.responses import FileResponse, HTMLResponse, RedirectResponse, Response
+from fastapi.routing import APIRoute
 from starlette.datastructures import QueryParams
 
 from proxy import dashboard, forwarded, store, ui
@@ -26,7 +29,24 @@ from shared.errors import Forbidden, InvalidRequest, RolltapError, Unauthorized
 
 __all__ = ["router"]
 
-router = APIRouter(prefix="/ui", include_in_schema=False)
+
+class _DashboardRoute(APIRoute):
+    """A dashboard route; a state-changing one (any method but GET and HEAD) first refuses, with a 403
+    page, a request that another site's page made (a forged sign-in, or any later form)."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def checked(request: Request) -> Response:
+            if request.method not in ("GET", "HEAD") and not forwarded.is_same_origin_post(
+                    request, request.app.state.settings.proxy.trusted_proxies):
+                return _html(ui.error_html(403, "Refused: this form was posted from another site."), 403)
+            return await handler(request)
+
+        return checked
+
+
+router = APIRouter(prefix="/ui", include_in_schema=False, route_class=_DashboardRoute)
 
 COOKIE = "rolltap_ui"
 _STATIC = Path(__file__).resolve().parent.parent / "static"
@@ -70,20 +90,8 @@ async def login_form() -> HTMLResponse:
     return _html(ui.login_html())
 
 
-def _cross_site(request: Request) -> HTMLResponse | None:
-    """A 403 page for a state-changing request another site's page made (login CSRF); else None.
-
-    Every dashboard POST checks this first.
-    """
-    if forwarded.is_same_origin_post(request, request.app.state.settings.proxy.trusted_proxies):
-        return None
-    return _html(ui.error_html(403, "Refused: this form was posted from another site."), 403)
-
-
 @router.post("/login")
 async def login(request: Request) -> Response:
-    if (refused := _cross_site(request)) is not None:
-        return refused
     # A urlencoded form, read by hand: no multipart parser needed for one field.
     token = (parse_qs((await request.body()).decode("utf-8", "replace")).get("token") or [""])[0].strip()
     if not await _may_read(request, token or None) or not token:
