@@ -147,8 +147,9 @@ def server_config(app: Any, settings: Settings, port: int | None = None) -> uvic
         port=settings.proxy.port if port is None else port,
         log_level=settings.proxy.log_level.lower(),
         access_log=False,  # per-request lines cost more than the proxy itself; metrics cover it
-        # Nothing here reads the client address, so X-Forwarded-* rewriting (a middleware layer
-        # on every request) buys nothing.
+        # The scope keeps the direct peer's address: the dashboard's sign-in alone reads
+        # X-Forwarded-Proto/Host, from `proxy.trusted_proxies` only (proxy/forwarded.py), so a
+        # rewriting middleware on every request buys nothing.
         proxy_headers=False,
         timeout_graceful_shutdown=int(settings.proxy.shutdown_timeout_s),
         lifespan="on",

@@ -12,6 +12,7 @@ stylesheet and script under `proxy/static/`. The pages:
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterable, Sequence
 from html import escape
@@ -89,19 +90,56 @@ def list_html(rows: Sequence[dict[str, Any]], filters: dict[str, str], next_befo
 
 # -- an attempt --------------------------------------------------------------------------------------------
 
+class _Unrecognized(Exception):
+    """A recorded value of a shape the conversation view does not know: the call shows it as raw JSON.
+
+    Recorded requests are what agents sent: an agent whose odd JSON (`"tool_calls": 5`) broke its
+    attempt's page would hide that attempt from review.
+    """
+
+
+def _dict(value: Any) -> dict[str, Any]:
+    """A JSON object; absent (None) is empty."""
+    if value is None:
+        return {}
+    if isinstance(value, dict):
+        return value
+    raise _Unrecognized
+
+
+def _list(value: Any) -> list[Any]:
+    """A JSON array; absent (None) is empty."""
+    if value is None:
+        return []
+    if isinstance(value, list):
+        return value
+    raise _Unrecognized
+
+
+def _raw(value: Any) -> str:
+    # The stdlib, not orjson: it writes integers past 64 bits, NaN and any depth orjson reads.
+    return json.dumps(value, indent=2, ensure_ascii=False, default=str)
+
+
 def _text(content: Any) -> str:
     if isinstance(content, str):
         return content
-    if isinstance(content, list):
-        return "".join(p if isinstance(p, str) else str(p.get("text") or p.get("output") or "")
-                       for p in content if isinstance(p, str | dict))
-    return "" if content is None else str(content)
+    if content is None:
+        return ""
+    return "".join(p if isinstance(p, str) else str(_dict(p).get("text") or p.get("output") or "")
+                   for p in _list(content))
+
+
+def _call_text(call: Any) -> str:
+    function = _dict(_dict(call).get("function"))
+    return f'\n→ {function.get("name")}({function.get("arguments")})'
 
 
 def _turns(route: str, request: Any) -> list[tuple[str, str]]:
     """(role, text) of what a call sent, for any recorded route."""
-    if not isinstance(request, dict):
+    if request is None:
         return []
+    request = _dict(request)
     if route == "completions":
         return [("prompt", _text(request.get("prompt")))]
     turns: list[tuple[str, str]] = []
@@ -112,29 +150,27 @@ def _turns(route: str, request: Any) -> list[tuple[str, str]]:
     items = request.get("messages") if route != "responses" else request.get("input")
     if isinstance(items, str):
         return [*turns, ("user", items)]
-    for item in items if isinstance(items, list) else ():
-        if not isinstance(item, dict):
-            continue
+    for item in _list(items):
+        item = _dict(item)
         kind = item.get("type")
         if kind == "function_call":
             turns.append(("assistant", f'→ {item.get("name")}({item.get("arguments")})'))
         elif kind == "function_call_output":
             turns.append(("tool", _text(item.get("output"))))
         else:
-            text = _text(item.get("content"))
-            calls = item.get("tool_calls") or ()
-            text += "".join(f'\n→ {(c.get("function") or {}).get("name")}({(c.get("function") or {}).get("arguments")})'
-                            for c in calls if isinstance(c, dict))
+            text = _text(item.get("content")) + "".join(_call_text(c) for c in _list(item.get("tool_calls")))
             turns.append((str(item.get("role", "user")), text))
     return turns
 
 
 def _reply(route: str, response: Any) -> str:
-    if not isinstance(response, dict):
+    if response is None:
         return ""
+    response = _dict(response)
     if route == "responses":
         parts = []
-        for item in response.get("output") or ():
+        for item in _list(response.get("output")):
+            item = _dict(item)
             if item.get("type") == "message":
                 parts.append(_text(item.get("content")))
             elif item.get("type") == "function_call":
@@ -142,13 +178,12 @@ def _reply(route: str, response: Any) -> str:
         return "\n".join(parts)
     if route == "messages":
         return _text(response.get("content"))
-    choice = (response.get("choices") or [{}])[0]
+    choices = _list(response.get("choices"))
+    choice = _dict(choices[0]) if choices else {}
     if route == "completions":
         return str(choice.get("text") or "")
-    message = choice.get("message") or {}
-    calls = "".join(f'\n→ {(c.get("function") or {}).get("name")}({(c.get("function") or {}).get("arguments")})'
-                    for c in message.get("tool_calls") or ())
-    return str(message.get("content") or "") + calls
+    message = _dict(choice.get("message"))
+    return _text(message.get("content")) + "".join(_call_text(c) for c in _list(message.get("tool_calls")))
 
 
 def _token_texts(route: str, response: Any) -> list[str] | None:
@@ -156,46 +191,66 @@ def _token_texts(route: str, response: Any) -> list[str] | None:
     if not isinstance(response, dict):
         return None
     if route == "responses":
-        return [str(e.get("token", "")) for item in response.get("output") or () if item.get("type") == "message"
-                for part in item.get("content") or () for e in part.get("logprobs") or ()] or None
-    choice = (response.get("choices") or [{}])[0]
-    logprobs = choice.get("logprobs") if isinstance(choice, dict) else None
+        return [str(_dict(e).get("token", "")) for item in _list(response.get("output"))
+                if _dict(item).get("type") == "message"
+                for part in _list(item.get("content")) for e in _list(_dict(part).get("logprobs"))] or None
+    choices = _list(response.get("choices"))
+    logprobs = _dict(choices[0]).get("logprobs") if choices else None
     if not isinstance(logprobs, dict):
         return None
     if route == "chat/completions":
-        return [str(e.get("token", "")) for e in logprobs.get("content") or ()] or None
-    return [str(t) for t in logprobs.get("tokens") or ()] or None
+        return [str(_dict(e).get("token", "")) for e in _list(logprobs.get("content"))] or None
+    return [str(t) for t in _list(logprobs.get("tokens"))] or None
+
+
+def _logprob(value: Any) -> float | None:
+    """A recorded logprob as a float; None for anything else (a string, a bool, NaN, an integer past float's range)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return None if math.isnan(number) else number
 
 
 def _colour(logprob: float | None) -> str:
     # Probability 1 is green, 0 red, through yellow: hue 0..120.
     if logprob is None:
         return "hsl(0 0% 85%)"
-    return f"hsl({120 * math.exp(min(0.0, float(logprob))):.0f} 70% 80%)"
+    return f"hsl({120 * math.exp(min(0.0, logprob)):.0f} 70% 80%)"
 
 
-def _tokens_html(ids: Sequence[int], texts: Sequence[str] | None, logprobs: Sequence[float | None] | None) -> str:
+def _tokens_html(ids: Sequence[Any], texts: Sequence[str] | None, logprobs: Any) -> str:
     spans = []
     for i, token in enumerate(ids):
-        lp = logprobs[i] if logprobs is not None and i < len(logprobs) else None
+        lp = _logprob(logprobs[i]) if isinstance(logprobs, list) and i < len(logprobs) else None
         text = texts[i] if texts is not None and len(texts) == len(ids) else f"#{token}"
-        tip = f"id {token}" + (f" · logprob {lp:.3f} · p {math.exp(lp):.3f}" if lp is not None else "")
+        # min(0, lp): a logprob above 0 is no probability, and exp() of a large one overflows.
+        tip = f"id {token}" + (f" · logprob {lp:.3f} · p {math.exp(min(0.0, lp)):.3f}" if lp is not None else "")
         spans.append(f'<span class="tok gen" style="background:{_colour(lp)}" title="{_e(tip)}">{_e(text)}</span>')
     return "".join(spans)
 
 
-def _masked_html(ids: Sequence[int]) -> str:
-    return "".join(f'<span class="tok masked" title="id {t} · masked out of the loss">#{t}</span>' for t in ids)
+def _masked_html(ids: Sequence[Any]) -> str:
+    return "".join(f'<span class="tok masked" title="id {_e(t)} · masked out of the loss">#{_e(t)}</span>'
+                   for t in ids)
 
 
 def _call_html(call: dict[str, Any], previous: list[int] | None, shown_turns: int,
                drop: tuple[str, str | None] | None) -> tuple[str, list[int] | None, int]:
     route = call["route"]
-    turns = _turns(route, call["request"])
+    try:
+        turns = _turns(route, call["request"])
+    except _Unrecognized:
+        turns = [("request (raw JSON)", _raw(call["request"]))]
     new_turns = turns[shown_turns:] if shown_turns <= len(turns) else turns
     conversation = "".join(f'<div class="turn role-{_e(role)}"><span class="role">{_e(role)}</span>'
                            f'<pre>{_e(text)}</pre></div>' for role, text in new_turns)
-    reply = _reply(route, call["response"])
+    try:
+        reply = _reply(route, call["response"])
+    except _Unrecognized:
+        reply = "response (raw JSON): " + _raw(call["response"])
     conversation += (f'<div class="turn role-assistant reply"><span class="role">assistant (generated)</span>'
                      f'<pre>{_e(reply)}</pre></div>')
     prompt, completion = call["prompt_token_ids"], call["completion_token_ids"]
@@ -208,8 +263,11 @@ def _call_html(call: dict[str, Any], previous: list[int] | None, shown_turns: in
                     + _masked_html(prompt[len(previous):]))
         else:
             head = f'<span class="merge new">new sequence: prompt of {len(prompt)} tokens</span>'
-        tokens = (f'<div class="tokens">{head}'
-                  f'{_tokens_html(completion, _token_texts(route, call["response"]), call["completion_logprobs"])}</div>')
+        try:
+            texts = _token_texts(route, call["response"])
+        except _Unrecognized:
+            texts = None  # the ids stand in for the text
+        tokens = f'<div class="tokens">{head}{_tokens_html(completion, texts, call["completion_logprobs"])}</div>'
         sequence = [*prompt, *completion]
     badges = [f'<span class="badge status-{_e(call["status"])}">{_e(call["status"])}</span>',
               f'<span class="badge">{_e(route)}</span>',

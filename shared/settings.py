@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+from ipaddress import ip_network
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -308,6 +309,15 @@ class ProxySettings(BaseModel):
         "calls (an agent's `finish` follows its last call) before it exits; each reward, finish or "
         "registration restarts it, within `shutdown_timeout_s`.",
     )
+    # NoDecode and the split below: as for `replicas`.
+    trusted_proxies: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="IP addresses or CIDR networks (`10.0.0.0/8`) of the reverse proxies in front of this one. "
+        "Only a direct peer listed here is believed when its `X-Forwarded-Proto` and `X-Forwarded-Host` say the "
+        "client came over HTTPS, or to another host: the dashboard's sign-in cookie is then `Secure`, and its "
+        "cross-site check compares a form's `Origin` with that origin. Empty: nobody's X-Forwarded-* headers are "
+        "read. In the environment: a JSON list or comma-separated entries.",
+    )
     recorder: RecorderSettings = Field(default_factory=RecorderSettings)
     pool: PoolSettings = Field(default_factory=PoolSettings)
     cluster: ClusterSettings = Field(default_factory=ClusterSettings)
@@ -336,7 +346,7 @@ class ProxySettings(BaseModel):
         default=1, ge=1, description="Proxy processes sharing the port (`--workers`); more than one needs PostgreSQL."
     )
 
-    @field_validator("replicas", mode="before")
+    @field_validator("replicas", "trusted_proxies", mode="before")
     @classmethod
     def _split_replicas(cls, value: Any) -> Any:
         # Env values arrive as one string; accept a JSON list or "url1,url2".
@@ -359,6 +369,12 @@ class ProxySettings(BaseModel):
                 raise ValueError(f"replica URL must start with http:// or https://: {url!r}")
             out.append(url)
         return out
+
+    @field_validator("trusted_proxies")
+    @classmethod
+    def _check_networks(cls, value: list[str]) -> list[str]:
+        # A bare address is a network of one; host bits set (10.0.0.1/8) are cleared, not refused.
+        return [str(ip_network(entry.strip(), strict=False)) for entry in value]
 
 
 class TrainerSettings(BaseModel):

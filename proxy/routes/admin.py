@@ -11,11 +11,11 @@ import asyncio
 import hmac
 import time
 from typing import Annotated, Any, Literal
-from urllib.parse import urlencode
+from urllib.parse import urlencode, urlsplit
 
 import orjson
 from fastapi import APIRouter, Depends, Request
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from proxy import store
@@ -39,6 +39,28 @@ router = APIRouter(prefix="/admin", dependencies=[Depends(require_admin)])
 
 WeightMode = Literal["none", "lora", "full"]
 
+# What the columns admin bodies land in hold (shared/db/models.py): past these the database
+# refuses the row, which answered 500 before they were checked here.
+INT_MAX = 2**31 - 1  # policy_versions.version: INTEGER
+URL_MAX = 512  # replicas.url: VARCHAR(512)
+NAME_MAX = 256  # policy_versions.served_name, base_model: VARCHAR(256)
+TIMEOUT_MAX_S = 86_400.0  # a wait longer than a day is a mistake (and Infinity parses as JSON here)
+
+
+def _storable(value: str) -> str:
+    # PostgreSQL text holds no U+0000, and neither backend stores a lone surrogate (JSON's
+    # "\ud800" escape parses to one): both failed at insert.
+    if "\x00" in value:
+        raise ValueError("must not contain U+0000")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("must be valid Unicode (no lone surrogates)") from None
+    return value
+
+
+Storable = Annotated[str, AfterValidator(_storable)]
+
 
 class ReplicaIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -51,21 +73,31 @@ class ReplicaIn(BaseModel):
         value = value.rstrip("/").removesuffix("/v1")
         if not value.startswith(("http://", "https://")):
             raise ValueError("replica URL must start with http:// or https://")
+        # Not printable: control characters, U+0000 and lone surrogates, which no database stores.
+        if len(value) > URL_MAX or not value.isprintable() or " " in value:
+            raise ValueError(f"replica URL must be at most {URL_MAX} printable characters without spaces")
+        try:
+            parts = urlsplit(value)
+            host, _port = parts.hostname, parts.port  # .port raises past 0-65535
+        except ValueError as exc:  # also an unclosed "[" of an IPv6 address
+            raise ValueError(f"replica URL does not parse: {exc}") from None
+        if not host:
+            raise ValueError("replica URL has no host")
         return value
 
 
 class DrainIn(ReplicaIn):
     wait: bool = False
-    timeout_s: float = Field(default=60.0, gt=0)
+    timeout_s: float = Field(default=60.0, gt=0, le=TIMEOUT_MAX_S)
 
 
 class PolicyIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    version: int = Field(ge=0)
-    served_name: str = Field(min_length=1, max_length=256)
+    version: int = Field(ge=0, le=INT_MAX)
+    served_name: Storable = Field(min_length=1, max_length=NAME_MAX)
     kind: Literal["base", "lora", "full"] = "lora"
-    base_model: str | None = None
-    path: str | None = None
+    base_model: Storable | None = Field(default=None, max_length=NAME_MAX)
+    path: Storable | None = None
 
 
 # A replica's control routes (vLLM's server), by action name: the fixed set this API reaches.
@@ -95,13 +127,25 @@ class ControlIn(BaseModel):
     action: ControlAction
     body: dict[str, Any] | None = Field(default=None, description="JSON body for the replica, e.g. "
                                         "`{\"lora_name\", \"lora_path\"}` or `{\"method\", \"kwargs\"}`")
-    params: dict[str, str] | None = Field(default=None, description="Query parameters, e.g. `{\"mode\": \"wait\"}`")
+    params: dict[Storable, Storable] | None = Field(default=None,
+                                                    description="Query parameters, e.g. `{\"mode\": \"wait\"}`")
+
+    @field_validator("body")
+    @classmethod
+    def _encodable(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        # What orjson cannot write (integers past 64 bits, lone surrogates, nesting past 254) failed
+        # only when the route encoded it for the replica: a 500.
+        try:
+            orjson.dumps(value)
+        except orjson.JSONEncodeError as exc:
+            raise ValueError(f"body cannot be sent as JSON: {exc}") from None
+        return value
 
 
 class PauseIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
     wait: bool = True
-    timeout_s: float = Field(default=60.0, gt=0)
+    timeout_s: float = Field(default=60.0, gt=0, le=TIMEOUT_MAX_S)
 
 
 async def _persist_replica(request: Request, url: str, weight_mode: str, state: str) -> None:

@@ -2,28 +2,51 @@
 
 A read key is an unscoped agent key (it may read every rollout, as on GET attempt); with
 `proxy.open_access` the dashboard is open like the other read routes. A browser signs in
-once at `/ui/login`: the token goes into an HttpOnly, same-site cookie scoped to `/ui`.
-Scripts may send `Authorization: Bearer <token>` instead.
+once at `/ui/login`: the token goes into an HttpOnly, SameSite=Strict cookie scoped to `/ui`
+(Secure when the client came over HTTPS, see `proxy.forwarded`); a sign-in posted from another
+site is refused. Scripts may send `Authorization: Bearer <token>` instead.
 """
 
 from __future__ import annotations
 
 import hmac
+import math
 import time
+from collections.abc import Callable, Coroutine
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 from urllib.parse import parse_qs
 
 from fastapi import APIRouter, Request
 from fastapi.responses import FileResponse, HTMLResponse, RedirectResponse, Response
+from fastapi.routing import APIRoute
+from starlette.datastructures import QueryParams
 
-from proxy import dashboard, store, ui
+from proxy import dashboard, forwarded, store, ui
 from proxy.routes.ids import check_id
-from shared.errors import Forbidden, RolltapError, Unauthorized
+from shared.errors import Forbidden, InvalidRequest, RolltapError, Unauthorized
 
 __all__ = ["router"]
 
-router = APIRouter(prefix="/ui", include_in_schema=False)
+
+class _DashboardRoute(APIRoute):
+    """A dashboard route; a state-changing one (any method but GET and HEAD) first refuses, with a 403
+    page, a request that another site's page made (a forged sign-in, or any later form)."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def checked(request: Request) -> Response:
+            if request.method not in ("GET", "HEAD") and not forwarded.is_same_origin_post(
+                    request, request.app.state.settings.proxy.trusted_proxies):
+                return _html(ui.error_html(403, "Refused: this form was posted from another site."), 403)
+            return await handler(request)
+
+        return checked
+
+
+router = APIRouter(prefix="/ui", include_in_schema=False, route_class=_DashboardRoute)
 
 COOKIE = "rolltap_ui"
 _STATIC = Path(__file__).resolve().parent.parent / "static"
@@ -75,7 +98,7 @@ async def login(request: Request) -> Response:
         return _html(ui.login_html("That is neither the admin token nor an unscoped agent key."), 401)
     response = RedirectResponse("/ui", status_code=303)
     response.set_cookie(COOKIE, token, httponly=True, samesite="strict", path="/ui",
-                        secure=request.url.scheme == "https")
+                        secure=forwarded.is_https(request, request.app.state.settings.proxy.trusted_proxies))
     return response
 
 
@@ -86,19 +109,64 @@ async def static(name: str) -> Response:
     return FileResponse(_STATIC / name, media_type=_STATIC_FILES[name], headers={"cache-control": "max-age=300"})
 
 
-def _number(value: str | None, kind: type[int] | type[float]) -> int | float | None:
-    try:
-        return kind(value) if value not in (None, "") else None
-    except ValueError:
-        return None
+# The columns the numeric filters are compared with: a value past their type is no attempt's,
+# and the drivers refuse to bind it (SQLite: past 64 bits; PostgreSQL: past the column's type).
+_VERSION_MAX = 2**31 - 1  # attempts.policy_version: INTEGER
+_ID_MAX = 2**63 - 1  # attempts.id, the `before` cursor: BIGINT
 
 
-def _when(value: str | None) -> datetime | None:
-    try:
-        parsed = datetime.fromisoformat(value) if value else None
-    except ValueError:
+def _bad(name: str, why: str) -> InvalidRequest:
+    return InvalidRequest(f"filter {name}: {why}", param=name, code="invalid_filter")
+
+
+def _whole(value: str | None, name: str, low: int, high: int) -> int | None:
+    if not value:
         return None
-    return parsed.replace(tzinfo=UTC) if parsed is not None and parsed.tzinfo is None else parsed
+    try:
+        number = int(value)
+    except ValueError:  # also past int()'s 4300 digits
+        raise _bad(name, f"{value[:40]!r} is not a whole number") from None
+    if not low <= number <= high:
+        raise _bad(name, f"must be between {low} and {high}")
+    return number
+
+
+def _finite(value: str | None, name: str) -> float | None:
+    if not value:
+        return None
+    try:
+        number = float(value)
+    except ValueError:
+        raise _bad(name, f"{value[:40]!r} is not a number") from None
+    if not math.isfinite(number):  # nan, inf, and 1e999 (which float() reads as inf)
+        raise _bad(name, "must be a finite number")
+    return number
+
+
+def _when(value: str | None, name: str) -> datetime | None:
+    if not value:
+        return None
+    try:
+        parsed = datetime.fromisoformat(value)
+        # A time without an offset is UTC (the form says so); one with an offset is compared in UTC,
+        # which fails for the first and last hours of datetime's range (years 1 and 9999).
+        return parsed.replace(tzinfo=UTC) if parsed.tzinfo is None else parsed.astimezone(UTC)
+    except (ValueError, OverflowError):
+        raise _bad(name, f"{value[:40]!r} is not an ISO 8601 date and time in years 1 to 9999") from None
+
+
+def _filters(q: QueryParams) -> dashboard.AttemptFilter:
+    status = q.get("status") or None
+    if status is not None and status not in ui.STATUSES:
+        raise _bad("status", f"must be one of {', '.join(ui.STATUSES)}")
+    group = q.get("group") or None
+    return dashboard.AttemptFilter(
+        status=status, group=check_id(group, "group") if group is not None else None,
+        version=_whole(q.get("version"), "version", 0, _VERSION_MAX),
+        reward_min=_finite(q.get("reward_min"), "reward_min"), reward_max=_finite(q.get("reward_max"), "reward_max"),
+        since=_when(q.get("since"), "since"), until=_when(q.get("until"), "until"),
+        before=_whole(q.get("before"), "before", 1, _ID_MAX),
+    )
 
 
 @router.get("")
@@ -106,11 +174,10 @@ async def attempts(request: Request) -> Response:
     if not await _may_read(request, _token(request)):
         return _denied()
     q = request.query_params
-    filters = dashboard.AttemptFilter(
-        status=q.get("status") or None, group=q.get("group") or None, version=_number(q.get("version"), int),  # type: ignore[arg-type]
-        reward_min=_number(q.get("reward_min"), float), reward_max=_number(q.get("reward_max"), float),
-        since=_when(q.get("since")), until=_when(q.get("until")), before=_number(q.get("before"), int),  # type: ignore[arg-type]
-    )
+    try:
+        filters = _filters(q)
+    except InvalidRequest as exc:  # a page, as for a bad id on the attempt page
+        return _html(ui.error_html(exc.status_code, exc.message), exc.status_code)
     started = time.perf_counter()
     async with request.app.state.reader.connect() as conn:
         page = await dashboard.attempt_page(conn, filters)
