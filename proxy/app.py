@@ -9,6 +9,7 @@ recorder's flush with a deadline (leftovers spooled), then the journal, then con
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import inspect
 import logging
@@ -205,7 +206,8 @@ def create_app(settings: Settings) -> ProxyApp:
                             on_durable=journal.durable if journal is not None else None, release_leases=is_cluster)
         if journal is not None:
             await _recover_journals(journal, recorder)
-            journal.open()
+            with contextlib.suppress(OSError):  # a full disk at start: logged; new calls get 507 until it has room
+                journal.open()
         keys = KeyRing(settings.proxy, reader)
         policy = ActivePolicy()
         # Its own small pool: barriers and waits poll while calls are recorded.

@@ -89,13 +89,25 @@ class Journal:
         return len(self._open_calls)
 
     def open(self) -> None:
-        self.directory.mkdir(parents=True, exist_ok=True)
-        # Locked under a temporary name, then renamed: a recovering process never sees our
-        # lock file unlocked and takes us for dead.
-        tmp = self.directory / f".{self._owner}.lock-new"
-        self._lock_fd = os.open(tmp, os.O_RDWR | os.O_CREAT, 0o644)
-        fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        os.rename(tmp, self.directory / f"{self._owner}{_LOCK_SUFFIX}")
+        """Start journaling. Raises `OSError` when the disk refuses (a full disk at start): the
+        journal is then failing, and each new call tries again (`started`)."""
+        self._guard(self._open)
+
+    def _open(self) -> None:
+        if self._lock_fd < 0:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            # Locked under a temporary name, then renamed: a recovering process never sees our
+            # lock file unlocked and takes us for dead.
+            tmp = self.directory / f".{self._owner}.lock-new"
+            fd = os.open(tmp, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                os.rename(tmp, self.directory / f"{self._owner}{_LOCK_SUFFIX}")
+            except BaseException:
+                os.close(fd)  # nothing half-made stays behind to block the next try
+                tmp.unlink(missing_ok=True)
+                raise
+            self._lock_fd = fd
         self._open_segment()
 
     def _segment_path(self, n: int) -> Path:
@@ -150,7 +162,9 @@ class Journal:
     def started(self, call_id: str, rollout_id: str | None, attempt_id: str | None, route: str,
                 started_at: datetime, arrival: int) -> None:
         """Journal a call's start. Raises `OSError` when the disk refuses it (the call must not go on)."""
-        if self._size >= self._segment_bytes:
+        if self._fd < 0:
+            self.open()  # it could not be opened at start
+        elif self._size >= self._segment_bytes:
             self._open_segment()
         self._append(orjson.dumps({"s": call_id, "r": rollout_id, "a": attempt_id, "route": route,
                                    "t": started_at, "n": arrival}) + b"\n")
@@ -206,10 +220,11 @@ class Journal:
 
     def close(self) -> None:
         """Stop journaling; the files go when nothing in them is still needed (a clean stop)."""
-        if self._fd < 0:
+        if self._lock_fd < 0:
             return
-        os.close(self._fd)
-        self._fd = -1
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
         if self._open_calls:
             logger.warning("journal: %d call(s) not durable at stop; %s kept for the next start",
                            len(self._open_calls), self.directory)

@@ -184,3 +184,23 @@ def test_disk_full_during_a_database_outage(outage: Outage, tmp_path: Path, disk
             _assert_complete(_records(outage.read_url), streams)
             disk.free()
             assert not list((disk.path / "spool").glob("*.jsonl"))
+
+
+def test_a_proxy_started_on_a_full_disk_serves_once_it_has_room(tmp_path: Path, disk: SmallDisk) -> None:
+    """Restarted after its disk filled (and still full): it starts, refuses new calls with 507, and
+    serves as soon as there is room, with no restart."""
+    replica = FaultReplica()
+    with serve_in_thread(replica) as (replica_url, _):
+        settings = make_settings(f"sqlite:///{tmp_path / 'rolltap.db'}", [replica_url], tmp_path,
+                                 recorder={"spool_dir": str(disk.path / "spool")})
+        disk.fill()
+        with run_proxy(settings) as proxy, httpx.Client(timeout=30) as http:
+            body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 1}
+            refused = http.post(f"{proxy.base_url('full', '0')}/chat/completions", json=body)
+            assert refused.status_code == 507 and replica.stats.requests == 0
+            _assert_507(refused)
+            assert http.get(f"{proxy.url}/readyz").json()["status"] == "degraded"
+            disk.free()
+            served = http.post(f"{proxy.base_url('full', '1')}/chat/completions", json=body)
+            assert served.status_code == 200, served.text
+            assert http.get(f"{proxy.url}/readyz").json()["status"] == "ready"
