@@ -161,7 +161,9 @@ def attempt_advantages(
         stats[g] = (n, mean, 0.0 if tied else float(np.std(values, ddof=1)))
     index = np.empty(len(groups), dtype=object)
     index[:] = list(groups)
-    rewards = torch.tensor([[float(r)] for r in returns], dtype=torch.float32)
+    # float64: a group's spread of large rewards (up to `proxy.limits.max_abs_reward`) squared
+    # overflows float32; N numbers, so the cost is nil.
+    rewards = torch.tensor([[float(r)] for r in returns], dtype=torch.float64)
     adv, _ = compute_advantages(
         estimator,
         token_level_rewards=rewards,

@@ -140,7 +140,7 @@ async def drain_replica(body: DrainIn, request: Request) -> dict[str, Any]:
         try:
             await asyncio.wait_for(replica.drained.wait(), body.timeout_s)
         except TimeoutError:
-            raise ServiceUnavailable(f"replica {body.url} still has {replica.in_flight} call(s) in flight",
+            raise ServiceUnavailable(f"replica {replica.shown_url} still has {replica.in_flight} call(s) in flight",
                                      code="drain_timeout", retry_after_s=1.0) from None
     state = "removed" if replica.drained.is_set() else "draining"
     if state == "removed":
@@ -221,11 +221,11 @@ async def control_replica(body: ControlIn, request: Request) -> dict[str, Any]:
     finally:
         upstream.release()
     if upstream.status >= 400:
-        raise ReplicaRefused(f"replica {replica.url} answered {upstream.status} to {body.action}: "
+        raise ReplicaRefused(f"replica {replica.shown_url} answered {upstream.status} to {body.action}: "
                              f"{data[:300].decode('utf-8', 'replace')}")
     try:
         answer: Any = orjson.loads(data) if data else None
     except orjson.JSONDecodeError:
         answer = data[:4096].decode("utf-8", "replace")
-    return {"object": "rolltap.replica_control", "url": replica.url, "action": body.action,
+    return {"object": "rolltap.replica_control", "url": replica.shown_url, "action": body.action,
             "replica_status": upstream.status, "response": answer}
