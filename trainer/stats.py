@@ -91,10 +91,11 @@ def _histogram(values: list[float]) -> list[dict[str, float]]:
     lo, hi = min(values), max(values)
     if math.isclose(lo, hi):
         return [{"lo": lo, "hi": hi, "count": len(values)}]
-    # Divided before subtracting: `hi - lo` overflows for rewards near float64's range.
+    # Divided before subtracting, edges as weighted means: `hi - lo` overflows near float64's range.
     width = hi / HISTOGRAM_BINS - lo / HISTOGRAM_BINS
     counts = Counter(min(int(v / width - lo / width), HISTOGRAM_BINS - 1) for v in values)
-    return [{"lo": lo + i * width, "hi": lo + (i + 1) * width, "count": counts.get(i, 0)} for i in range(HISTOGRAM_BINS)]
+    edges = [lo * (1 - i / HISTOGRAM_BINS) + hi * (i / HISTOGRAM_BINS) for i in range(HISTOGRAM_BINS + 1)]
+    return [{"lo": edges[i], "hi": edges[i + 1], "count": counts.get(i, 0)} for i in range(HISTOGRAM_BINS)]
 
 
 def collect_stats(conn: Connection, settings: TrainerSettings, *, now: datetime | None = None) -> dict[str, Any]:

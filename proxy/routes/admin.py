@@ -121,21 +121,21 @@ async def list_replicas(request: Request) -> dict[str, Any]:
 @router.post("/replicas", status_code=201)
 async def add_replica(body: ReplicaIn, request: Request) -> dict[str, Any]:
     replica = request.app.state.balancer.add(body.url, body.weight_mode)
-    await _persist_replica(request, replica.url, replica.weight_mode, "active")
+    await _persist_replica(request, replica.shown_url, replica.weight_mode, "active")
     return replica.describe()
 
 
 @router.delete("/replicas")
 async def remove_replica(url: str, request: Request) -> dict[str, Any]:
     replica = request.app.state.balancer.remove(url.rstrip("/").removesuffix("/v1"))
-    await _persist_replica(request, replica.url, replica.weight_mode, "removed")
+    await _persist_replica(request, replica.shown_url, replica.weight_mode, "removed")
     return {**replica.describe(), "state": "removed"}
 
 
 @router.post("/replicas/drain")
 async def drain_replica(body: DrainIn, request: Request) -> dict[str, Any]:
     replica = request.app.state.balancer.drain(body.url)
-    await _persist_replica(request, replica.url, replica.weight_mode, "draining")
+    await _persist_replica(request, replica.shown_url, replica.weight_mode, "draining")
     if body.wait:
         try:
             await asyncio.wait_for(replica.drained.wait(), body.timeout_s)
@@ -144,7 +144,7 @@ async def drain_replica(body: DrainIn, request: Request) -> dict[str, Any]:
                                      code="drain_timeout", retry_after_s=1.0) from None
     state = "removed" if replica.drained.is_set() else "draining"
     if state == "removed":
-        await _persist_replica(request, replica.url, replica.weight_mode, "removed")
+        await _persist_replica(request, replica.shown_url, replica.weight_mode, "removed")
     return {**replica.describe(), "state": state}
 
 
