@@ -128,7 +128,7 @@ async def _persist_replicas(app: FastAPI) -> None:
 
     async def op(conn: AsyncConnection) -> None:
         for replica in replicas:
-            await store.upsert_replica(conn, replica.url, replica.weight_mode, "active")
+            await store.upsert_replica(conn, replica.shown_url, replica.weight_mode, "active")  # no credentials
 
     await app.state.recorder.run(op, 30.0)
 

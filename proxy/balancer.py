@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 
 import orjson
 
-from proxy.upstream import Upstream
+from proxy.upstream import Upstream, shown_url
 from shared.errors import Conflict, NotFound, RolltapError, UpstreamTimeout, UpstreamUnavailable
 from shared.settings import PoolSettings
 
@@ -73,6 +73,10 @@ class ReplicaState:
     ejected_at: float = 0.0  # monotonic
     is_ejected_elsewhere: bool = False  # another live proxy holds it ejected (`proxy.cluster`)
     drained: asyncio.Event = field(default_factory=asyncio.Event)
+    shown_url: str = field(init=False)  # what logs, metrics and the admin API show (no credentials)
+
+    def __post_init__(self) -> None:
+        self.shown_url = shown_url(self.url)
 
     @property
     def is_available(self) -> bool:
@@ -84,7 +88,7 @@ class ReplicaState:
 
     def describe(self) -> dict[str, object]:
         return {
-            "url": self.url, "weight_mode": self.weight_mode, "healthy": self.is_healthy,
+            "url": self.shown_url, "weight_mode": self.weight_mode, "healthy": self.is_healthy,
             "ejected_elsewhere": self.is_ejected_elsewhere,
             "state": "draining" if self.is_draining else "active", "in_flight": self.in_flight,
             "rollouts": self.rollouts, "calls_total": self.calls_total, "models": self.models,
@@ -220,7 +224,7 @@ class Balancer:
 
     def mark_unreachable(self, replica: ReplicaState, reason: str) -> None:
         if replica.is_healthy:
-            logger.warning("replica %s ejected: %s", replica.url, reason)
+            logger.warning("replica %s ejected: %s", replica.shown_url, reason)
             replica.ejection, replica.ejected_at = reason, time.monotonic()
             if self.on_health_change is not None:
                 self.on_health_change()
@@ -234,7 +238,7 @@ class Balancer:
         for replica in self._replicas.values():
             if replica.is_ejected_elsewhere != (replica.url in urls):
                 replica.is_ejected_elsewhere = replica.url in urls
-                logger.warning("replica %s %s by another proxy", replica.url,
+                logger.warning("replica %s %s by another proxy", replica.shown_url,
                                "ejected" if replica.is_ejected_elsewhere else "re-admitted")
 
     def attempt_finished(self, rollout_id: str, attempt_id: str) -> None:
@@ -255,38 +259,43 @@ class Balancer:
 
     def add(self, url: str, weight_mode: str | None = None) -> ReplicaState:
         if url in self._replicas:
-            raise Conflict(f"replica {url} is already in the pool", code="replica_exists")
+            raise Conflict(f"replica {shown_url(url)} is already in the pool", code="replica_exists")
         replica = ReplicaState(url, weight_mode=weight_mode or self._settings.weight_mode)
         self._replicas[url] = replica
         self._rebuild_ring()
         asyncio.get_running_loop().create_task(self._probe(replica))
-        logger.info("replica %s added (%s)", url, replica.weight_mode)
+        logger.info("replica %s added (%s)", replica.shown_url, replica.weight_mode)
         return replica
 
     def get(self, url: str) -> ReplicaState:
+        """The replica by its URL, or by the URL the admin API shows (credentials hidden) when
+        that names one replica: what a client read from `GET /admin/replicas` finds it again."""
         replica = self._replicas.get(url)
         if replica is None:
-            raise NotFound(f"no replica {url} in the pool", param="url", code="unknown_replica")
+            shown = [r for r in self._replicas.values() if r.shown_url == url]
+            replica = shown[0] if len(shown) == 1 else None
+        if replica is None:
+            raise NotFound(f"no replica {shown_url(url)} in the pool", param="url", code="unknown_replica")
         return replica
 
     def remove(self, url: str) -> ReplicaState:
         """Remove at once; calls in flight there run to their end."""
         replica = self.get(url)
-        del self._replicas[url]
+        del self._replicas[replica.url]
         for rollout_id in [rid for rid, b in self._sticky.items() if b.replica is replica]:
             self._unbind(rollout_id)
         self._rebuild_ring()
         replica.drained.set()
         if replica.ejection is not None and self.on_health_change is not None:
             self.on_health_change()  # its shared ejection goes with it
-        logger.info("replica %s removed", url)
+        logger.info("replica %s removed", replica.shown_url)
         return replica
 
     def drain(self, url: str) -> ReplicaState:
         """No new calls; when those in flight have ended, the replica leaves the pool."""
         replica = self.get(url)
         replica.is_draining = True
-        logger.info("replica %s draining (%d in flight)", url, replica.in_flight)
+        logger.info("replica %s draining (%d in flight)", replica.shown_url, replica.in_flight)
         if replica.in_flight == 0:
             self._finish_drain(replica)
         return replica
@@ -347,7 +356,7 @@ class Balancer:
         if not replica.is_healthy:
             if replica.ejection is not None and time.monotonic() < replica.ejected_at + self.eject_hold_s:
                 return  # held out (a cluster): see `proxy.cluster`
-            logger.info("replica %s healthy (models: %s)", replica.url, ", ".join(replica.models))
+            logger.info("replica %s healthy (models: %s)", replica.shown_url, ", ".join(replica.models))
             replica.consecutive_errors = 0
             if replica.ejection is not None:
                 replica.ejection = None
@@ -363,7 +372,7 @@ class Balancer:
         try:
             status, body, _ = await self._upstream.get(replica.url, "/metrics", timeout_s=2.0)
         except RolltapError as exc:
-            logger.debug("replica %s: /metrics not read (%s); using calls in flight only", replica.url, exc)
+            logger.debug("replica %s: /metrics not read (%s); using calls in flight only", replica.shown_url, exc)
             replica.running = replica.waiting = replica.kv_usage = 0.0
             return
         if status == 200:

@@ -36,8 +36,11 @@ def error_response(
 async def _rolltap_error(_: Request, exc: Exception) -> JSONResponse:
     # Messages name ids, routes and limits; they never carry a key, token or URL password.
     assert isinstance(exc, RolltapError)
-    return error_response(exc.status_code, exc.message, exc.type, param=exc.param, code=exc.code,
-                          retry_after_s=exc.retry_after_s)
+    response = error_response(exc.status_code, exc.message, exc.type, param=exc.param, code=exc.code,
+                              retry_after_s=exc.retry_after_s)
+    if exc.call_id is not None:  # the call was recorded: a reward or a search can name it
+        response.headers["x-rolltap-call-id"] = exc.call_id
+    return response
 
 
 async def _http_error(request: Request, exc: Exception) -> JSONResponse:

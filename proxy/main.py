@@ -36,6 +36,7 @@ import uvicorn
 from proxy.app import cluster_enabled, create_app
 from proxy.drain import Drain
 from proxy.keystore import cli as keys_cli
+from proxy.upstream import shown_url
 from shared.db.engine import is_sqlite, redacted_url
 from shared.db.migrate import upgrade
 from shared.settings import Settings
@@ -117,8 +118,11 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not settings.proxy.replicas:
         raise SystemExit("rolltap-proxy: no replica configured (--replica URL or ROLLTAP_PROXY__REPLICAS)")
-    # Secrets stay out of the log: SecretStr fields dump as "**********", the database password is masked.
-    shown = settings.model_copy(update={"db": settings.db.model_copy(update={"url": redacted_url(settings.db.url)})})
+    # Secrets stay out of the log: SecretStr fields dump as "**********", the database password and
+    # replica credentials are masked.
+    shown = settings.model_copy(update={
+        "db": settings.db.model_copy(update={"url": redacted_url(settings.db.url)}),
+        "proxy": settings.proxy.model_copy(update={"replicas": [shown_url(u) for u in settings.proxy.replicas]})})
     logging.getLogger(__name__).info("settings: %s", shown.model_dump_json())
     if settings.proxy.workers > 1:
         if is_sqlite(settings.db.url):

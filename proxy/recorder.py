@@ -28,13 +28,13 @@ from pathlib import Path
 from typing import Any
 
 from sqlalchemy import Engine
-from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import DataError, DBAPIError, IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from proxy import metrics
-from proxy.outage import is_outage
+from proxy.outage import is_outage, sqlstate
 from proxy.store import add_undurable_sync, release_leases_sync, write_calls, write_calls_sync
-from shared.errors import DatabaseUnavailable
+from shared.errors import Conflict, DatabaseUnavailable, InvalidRequest, RolltapError
 from shared.settings import RecorderSettings
 from shared.types import CallRecord
 from shared.verbatim import dumps_exact, loads_exact
@@ -511,15 +511,24 @@ class Recorder:
         return True
 
     def _op_error(self, exc: Exception) -> Exception:
-        """What a lifecycle call answers when its write failed: a database error is a 503 with
-        Retry-After (durability not confirmed), never a 500 that closes the client's connection."""
+        """What a lifecycle call answers when its write failed: an outage is a 503 with Retry-After
+        (durability not confirmed). Any other database error fails the same way on every retry, so
+        it is never a 503 (a client honouring Retry-After would retry forever): a value the database
+        refuses is the request's fault (400), a constraint a conflict (409), anything else a 500
+        in OpenAI's shape (never an unhandled one that closes the client's connection)."""
         if is_outage(exc):
             self._on_outage(exc)
             return DatabaseUnavailable(f"database unreachable: {exc.__class__.__name__}", retry_after_s=1.0)
-        if isinstance(exc, DBAPIError):
-            logger.error("recorder: lifecycle write failed: %s", exc)
-            return DatabaseUnavailable(f"database write failed: {exc.__class__.__name__}", retry_after_s=1.0)
-        return exc
+        if not isinstance(exc, DBAPIError):
+            return exc
+        code = sqlstate(exc) or ""
+        reason = (str(exc.orig if exc.orig is not None else exc).strip().splitlines() or [""])[0][:300]
+        if isinstance(exc, DataError) or code.startswith("22"):  # class 22: data exception
+            return InvalidRequest(f"the database refused a value of this request: {reason}", code="invalid_value")
+        if isinstance(exc, IntegrityError) or code.startswith("23"):  # class 23: integrity constraint
+            return Conflict(f"the database refused this write: {reason}", code="constraint_violation")
+        logger.error("recorder: lifecycle write failed: %s", exc)
+        return RolltapError(f"database write failed: {exc.__class__.__name__}", code="database_error")
 
     async def _run_op(self, item: _OpItem) -> None:
         if item.future.done():

@@ -178,11 +178,15 @@ class Relay:
         except RolltapError as exc:
             status = CallStatus.INVALID_REQUEST if isinstance(exc, InvalidRequest) else CallStatus.FAILED
             call.fail(status, exc, exc.status_code)
+            exc.call_id = call.call_id
             raise
         except Exception as exc:
             call.fail(CallStatus.FAILED, {"message": f"proxy error: {exc.__class__.__name__}",
                                           "type": "internal_error"}, 500)
-            raise
+            logger.exception("unhandled error in call %s", call.call_id)
+            internal = RolltapError("internal error in the proxy; see its log")
+            internal.call_id = call.call_id
+            raise internal from exc
         finally:
             if watcher is not None:
                 watcher.cancel()  # a stream watches for itself (`RelayStream`)
@@ -235,7 +239,7 @@ class Relay:
                     raise
                 # Every healthy replica was tried: try again where it said "busy" rather than fail.
                 replica = self._balancer.pick(call.rollout_id, call.attempt_id)
-            call.replica = replica.url
+            call.replica = replica.shown_url  # recorded and shown: no credentials
             lease = self._balancer.lease(replica)
             sent = time.perf_counter()
             try:

@@ -251,12 +251,21 @@ async def write_calls(conn: AsyncConnection, records: list[CallRecord], *, skip_
 async def register_rollout(
     conn: AsyncConnection, rollout_id: str, group_id: str | None, task: Any, metadata: dict[str, Any] | None
 ) -> None:
-    values = {"rollout_id": rollout_id, "group_id": group_id, "task": task, "metadata": metadata}
+    # As for calls (`_make_storable`): storable queryable copies, and the exact values beside
+    # them when a copy had to change (U+0000, lone surrogates, numbers beyond float64).
+    exact = {"task": task, "metadata": metadata}
+    safe = {name: db_safe(value) for name, value in exact.items()}
+    # A float task alone is kept exactly too: SQLite's JSON column has NUMERIC affinity, so `2.0`
+    # would come back as the integer 2.
+    is_exact = not any(changed for _, changed, _ in safe.values()) and not isinstance(task, float)
+    values = {"rollout_id": rollout_id, "group_id": group_id, "task": safe["task"][0], "metadata": safe["metadata"][0],
+              "json_exact": None if is_exact else dumps_exact(exact).decode()}
     stmt = _insert(conn, Rollout).values(values)
     await conn.execute(
         stmt.on_conflict_do_update(
             index_elements=["rollout_id"],
-            set_={"group_id": stmt.excluded.group_id, "task": stmt.excluded.task, "metadata": stmt.excluded.metadata},
+            set_={"group_id": stmt.excluded.group_id, "task": stmt.excluded.task, "metadata": stmt.excluded.metadata,
+                  "json_exact": stmt.excluded.json_exact},
         )
     )
 
@@ -355,7 +364,8 @@ _CALL_FIELDS = (
 async def read_attempt(conn: AsyncConnection, rollout_id: str, attempt_id: str) -> dict[str, Any]:
     attempt = (
         await conn.execute(
-            select(Attempt.status, Attempt.policy_version, Attempt.created_at, Attempt.finished_at, Rollout.group_id)
+            select(Attempt.status, Attempt.policy_version, Attempt.created_at, Attempt.finished_at, Rollout.group_id,
+                   Rollout.task, Rollout.meta, Rollout.json_exact)
             .join(Rollout, Rollout.rollout_id == Attempt.rollout_id)
             .where(Attempt.rollout_id == rollout_id, Attempt.attempt_id == attempt_id)
         )
@@ -383,11 +393,14 @@ async def read_attempt(conn: AsyncConnection, rollout_id: str, attempt_id: str) 
     ).mappings()
     call_list = [_call_out(c) for c in calls]
     interrupted = sum(1 for c in call_list if c["status"] == CallStatus.INTERRUPTED)
+    registered = overlay_exact(attempt["json_exact"], {"task": attempt["task"], "metadata": attempt["metadata"]})
     return {
         "object": "rolltap.attempt",
         "rollout_id": rollout_id,
         "attempt_id": attempt_id,
         "group_id": attempt["group_id"] or rollout_id,
+        "task": registered["task"],  # as registered (`POST /rollouts`), exactly
+        "metadata": registered["metadata"],
         "status": attempt["status"],
         # False when a call was cut by a proxy crash or shutdown, or its record waits in the
         # dead-letter spool: the trajectory has a hole.

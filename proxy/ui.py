@@ -334,7 +334,7 @@ def _svg_chart(title: str, points: Sequence[tuple[int, float]]) -> str:
 
 def _replicas_html(replicas: Iterable[ReplicaState]) -> str:
     rows = "".join(
-        f'<tr><td>{_e(r.url)}</td><td class="{"ok" if r.is_healthy else "bad"}">'
+        f'<tr><td>{_e(r.shown_url)}</td><td class="{"ok" if r.is_healthy else "bad"}">'
         f'{"healthy" if r.is_healthy else "down"}{" (draining)" if r.is_draining else ""}</td>'
         f'<td class="num">{r.in_flight}</td><td class="num">{r.running:g}</td><td class="num">{r.waiting:g}</td>'
         f'<td class="num">{100 * r.kv_usage:.0f}%</td><td class="num">{r.rollouts}</td><td>{_e(", ".join(r.models))}</td></tr>'

@@ -11,15 +11,28 @@ import asyncio
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import aiohttp
 
 from shared.errors import UpstreamTimeout, UpstreamUnavailable
 from shared.settings import ProxySettings
 
-__all__ = ["Upstream", "upstream_errors"]
+__all__ = ["Upstream", "shown_url", "upstream_errors"]
 
 JSON_HEADERS = {"content-type": "application/json", "accept": "*/*"}  # the client's Accept-Encoding is never forwarded
+
+
+def shown_url(url: str) -> str:
+    """A replica URL as it may be logged or shown (logs, `/metrics`, the admin API, the dashboard,
+    call records): credentials (`user:password@`) become `***@`. Connections use the real URL."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<unparsable replica URL>"  # rather than risk a password
+    if "@" not in parts.netloc:
+        return url
+    return urlunsplit(parts._replace(netloc="***@" + parts.netloc.rpartition("@")[2]))
 
 
 @asynccontextmanager
@@ -28,12 +41,14 @@ async def upstream_errors(replica: str) -> AsyncIterator[None]:
     try:
         yield
     except (asyncio.TimeoutError, aiohttp.ServerTimeoutError) as exc:
-        raise UpstreamTimeout(f"replica {replica} did not answer in time (proxy.limits.call_timeout_s, "
+        raise UpstreamTimeout(f"replica {shown_url(replica)} did not answer in time (proxy.limits.call_timeout_s, "
                              "proxy.read_timeout_s)", code="call_timeout") from exc
     except aiohttp.ClientError as exc:
-        raise UpstreamUnavailable(f"replica {replica} unreachable: {exc.__class__.__name__}: {exc}") from exc
+        shown = shown_url(replica)  # an error's text may hold the URL too (aiohttp's InvalidURL does)
+        raise UpstreamUnavailable(f"replica {shown} unreachable: {exc.__class__.__name__}: "
+                                  f"{str(exc).replace(replica, shown)}") from exc
     except OSError as exc:
-        raise UpstreamUnavailable(f"replica {replica} unreachable: {exc}") from exc
+        raise UpstreamUnavailable(f"replica {shown_url(replica)} unreachable: {exc}") from exc
 
 
 class Upstream:

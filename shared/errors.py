@@ -49,6 +49,8 @@ class RolltapError(Exception):
     status_code = 500
     type = "internal_error"
     code: str | None = None
+    # The recorded call this error answers, if any: its answer carries `x-rolltap-call-id`.
+    call_id: str | None = None
 
     def __init__(
         self,

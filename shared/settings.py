@@ -241,6 +241,12 @@ class LimitSettings(BaseModel):
         description="Relayed calls in flight on one proxy process, all callers together (503 with "
         "`Retry-After` beyond it).",
     )
+    max_abs_reward: float = Field(
+        default=1e6, gt=0, le=1e15,
+        description="Largest reward magnitude accepted by `reward` and `finish` (400 `reward_out_of_range` "
+        "beyond it), so the trainer's sums, spreads and float32 loss terms of rewards stay finite "
+        "(at most 1e15).",
+    )
 
 
 class ProxySettings(BaseModel):

@@ -88,7 +88,8 @@ def compute_advantages(
 
     if estimator not in ADV_ESTIMATORS:
         raise ValueError(f"unknown advantage estimator {estimator!r}; expected one of {ADV_ESTIMATORS}")
-    rewards = token_level_rewards.float()
+    # float64 stays float64 (`attempt_advantages`): float32 would tie large rewards a little apart.
+    rewards = token_level_rewards if token_level_rewards.dtype == torch.float64 else token_level_rewards.float()
     mask = response_mask.to(rewards.dtype)
     if estimator == "gae":
         if values is None:
@@ -161,7 +162,9 @@ def attempt_advantages(
         stats[g] = (n, mean, 0.0 if tied else float(np.std(values, ddof=1)))
     index = np.empty(len(groups), dtype=object)
     index[:] = list(groups)
-    rewards = torch.tensor([[float(r)] for r in returns], dtype=torch.float32)
+    # float64: large rewards (up to `proxy.limits.max_abs_reward`) a little apart are a tie in
+    # float32, and their squares overflow it sooner; N numbers, so the cost is nil.
+    rewards = torch.tensor([[float(r)] for r in returns], dtype=torch.float64)
     adv, _ = compute_advantages(
         estimator,
         token_level_rewards=rewards,

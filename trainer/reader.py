@@ -152,13 +152,13 @@ def load_attempt_data(conn: Conn, attempts: Sequence[AttemptRow], *, with_calls:
     pks = sorted(by_pk)
     same_attempt = and_(Attempt.rollout_id == Reward.rollout_id, Attempt.attempt_id == Reward.attempt_id)
     for part in chunks(pks):
-        for pk, status, task in conn.execute(
-            select(Attempt.id, Attempt.status, Rollout.task)
+        for pk, status, task, json_exact in conn.execute(
+            select(Attempt.id, Attempt.status, Rollout.task, Rollout.json_exact)
             .join(Rollout, Rollout.rollout_id == Attempt.rollout_id)
             .where(Attempt.id.in_(part))
         ):
             by_pk[pk].status = status
-            by_pk[pk].task = task
+            by_pk[pk].task = overlay_exact(json_exact, {"task": task})["task"]
         for pk, value, name, call_id in conn.execute(
             select(Attempt.id, Reward.value, Reward.name, Reward.call_id)
             .join(Attempt, same_attempt)

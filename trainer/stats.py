@@ -75,12 +75,13 @@ def _reward_distribution(conn: Connection) -> dict[str, Any]:
     if not values:
         return out
     out.update(
-        mean=statistics.fmean(values),
+        # `mean` and `pstdev` sum exactly (fractions): no overflow whatever the rewards.
+        mean=statistics.mean(values),
         std=statistics.pstdev(values),
         min=min(values),
         median=statistics.median(values),
         max=max(values),
-        mean_by_status={s: statistics.fmean(v) for s, v in sorted(by_status.items())},
+        mean_by_status={s: statistics.mean(v) for s, v in sorted(by_status.items())},
         histogram=_histogram(values),
     )
     return out
@@ -90,9 +91,11 @@ def _histogram(values: list[float]) -> list[dict[str, float]]:
     lo, hi = min(values), max(values)
     if math.isclose(lo, hi):
         return [{"lo": lo, "hi": hi, "count": len(values)}]
-    width = (hi - lo) / HISTOGRAM_BINS
-    counts = Counter(min(int((v - lo) / width), HISTOGRAM_BINS - 1) for v in values)
-    return [{"lo": lo + i * width, "hi": lo + (i + 1) * width, "count": counts.get(i, 0)} for i in range(HISTOGRAM_BINS)]
+    # Divided before subtracting, edges as weighted means: `hi - lo` overflows near float64's range.
+    width = hi / HISTOGRAM_BINS - lo / HISTOGRAM_BINS
+    counts = Counter(min(int(v / width - lo / width), HISTOGRAM_BINS - 1) for v in values)
+    edges = [lo * (1 - i / HISTOGRAM_BINS) + hi * (i / HISTOGRAM_BINS) for i in range(HISTOGRAM_BINS + 1)]
+    return [{"lo": edges[i], "hi": edges[i + 1], "count": counts.get(i, 0)} for i in range(HISTOGRAM_BINS)]
 
 
 def collect_stats(conn: Connection, settings: TrainerSettings, *, now: datetime | None = None) -> dict[str, Any]:

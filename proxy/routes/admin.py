@@ -165,30 +165,30 @@ async def list_replicas(request: Request) -> dict[str, Any]:
 @router.post("/replicas", status_code=201)
 async def add_replica(body: ReplicaIn, request: Request) -> dict[str, Any]:
     replica = request.app.state.balancer.add(body.url, body.weight_mode)
-    await _persist_replica(request, replica.url, replica.weight_mode, "active")
+    await _persist_replica(request, replica.shown_url, replica.weight_mode, "active")
     return replica.describe()
 
 
 @router.delete("/replicas")
 async def remove_replica(url: str, request: Request) -> dict[str, Any]:
     replica = request.app.state.balancer.remove(url.rstrip("/").removesuffix("/v1"))
-    await _persist_replica(request, replica.url, replica.weight_mode, "removed")
+    await _persist_replica(request, replica.shown_url, replica.weight_mode, "removed")
     return {**replica.describe(), "state": "removed"}
 
 
 @router.post("/replicas/drain")
 async def drain_replica(body: DrainIn, request: Request) -> dict[str, Any]:
     replica = request.app.state.balancer.drain(body.url)
-    await _persist_replica(request, replica.url, replica.weight_mode, "draining")
+    await _persist_replica(request, replica.shown_url, replica.weight_mode, "draining")
     if body.wait:
         try:
             await asyncio.wait_for(replica.drained.wait(), body.timeout_s)
         except TimeoutError:
-            raise ServiceUnavailable(f"replica {body.url} still has {replica.in_flight} call(s) in flight",
+            raise ServiceUnavailable(f"replica {replica.shown_url} still has {replica.in_flight} call(s) in flight",
                                      code="drain_timeout", retry_after_s=1.0) from None
     state = "removed" if replica.drained.is_set() else "draining"
     if state == "removed":
-        await _persist_replica(request, replica.url, replica.weight_mode, "removed")
+        await _persist_replica(request, replica.shown_url, replica.weight_mode, "removed")
     return {**replica.describe(), "state": state}
 
 
@@ -265,11 +265,11 @@ async def control_replica(body: ControlIn, request: Request) -> dict[str, Any]:
     finally:
         upstream.release()
     if upstream.status >= 400:
-        raise ReplicaRefused(f"replica {replica.url} answered {upstream.status} to {body.action}: "
+        raise ReplicaRefused(f"replica {replica.shown_url} answered {upstream.status} to {body.action}: "
                              f"{data[:300].decode('utf-8', 'replace')}")
     try:
         answer: Any = orjson.loads(data) if data else None
     except orjson.JSONDecodeError:
         answer = data[:4096].decode("utf-8", "replace")
-    return {"object": "rolltap.replica_control", "url": replica.url, "action": body.action,
+    return {"object": "rolltap.replica_control", "url": replica.shown_url, "action": body.action,
             "replica_status": upstream.status, "response": answer}

@@ -65,6 +65,6 @@ async def readyz(request: Request) -> Response:
 async def metrics(request: Request) -> Response:
     DEAD_LETTER_RECORDS.set(request.app.state.recorder.dead_letter_records)
     for replica in request.app.state.balancer.replicas:
-        REPLICA_IN_FLIGHT.labels(replica.url).set(replica.in_flight)
-        REPLICA_HEALTHY.labels(replica.url).set(1 if replica.is_healthy else 0)
+        REPLICA_IN_FLIGHT.labels(replica.shown_url).set(replica.in_flight)
+        REPLICA_HEALTHY.labels(replica.shown_url).set(1 if replica.is_healthy else 0)
     return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)

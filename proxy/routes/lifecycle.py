@@ -11,7 +11,9 @@ import time
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Request
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic_core import PydanticCustomError
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection
 from starlette.responses import Response
@@ -19,8 +21,8 @@ from starlette.responses import Response
 from proxy import store
 from proxy.recorder import Recorder
 from proxy.routes.ids import check_id
-from shared.errors import DatabaseUnavailable, NotDurable
-from shared.verbatim import dumps_exact
+from shared.errors import DatabaseUnavailable, Forbidden, InvalidRequest, NotDurable
+from shared.verbatim import ExactJsonError, db_safe_text, dumps_exact, loads_exact
 from shared.settings import ProxySettings
 
 __all__ = ["router"]
@@ -41,6 +43,15 @@ class RewardIn(BaseModel):
     value: float
     name: str | None = Field(default=None, max_length=128)
     call_id: str | None = Field(default=None, max_length=40)
+
+    @field_validator("name", "call_id")
+    @classmethod
+    def _storable(cls, value: str | None) -> str | None:
+        # PostgreSQL's text cannot hold U+0000 and no driver can encode a lone surrogate: a 400
+        # naming the field here, never a database error (a 503 the client would retry forever).
+        if value is not None and db_safe_text(value) != value:
+            raise PydanticCustomError("unstorable_text", "must not contain U+0000 or a lone surrogate")
+        return value
 
     @field_validator("value")
     @classmethod
@@ -73,6 +84,27 @@ async def attempt_key(rollout_id: str, attempt_id: str, request: Request) -> tup
 AttemptKey = Annotated[tuple[str, str], Depends(attempt_key)]
 
 
+async def rollout_body(request: Request) -> RolloutIn:
+    """The registration body parsed exactly (`loads_exact`: numbers beyond float64 and lone
+    surrogates kept, as in call records), then checked against `RolloutIn`."""
+    try:
+        value = loads_exact(await request.body())
+    except ExactJsonError as exc:
+        raise InvalidRequest(f"request body is not valid JSON: {exc}", code="invalid_json") from exc
+    try:
+        return RolloutIn.model_validate(value)
+    except ValidationError as exc:
+        raise RequestValidationError(exc.errors(include_url=False, include_context=False)) from exc
+
+
+def _check_reward(value: float | None, param: str, settings: ProxySettings) -> None:
+    """Bounded, so that the trainer's sums and spreads of rewards stay finite."""
+    limit = settings.limits.max_abs_reward
+    if value is not None and abs(value) > limit:
+        raise InvalidRequest(f"{param} {value:g} is beyond +-{limit:g} (proxy.limits.max_abs_reward)",
+                             param=param, code="reward_out_of_range")
+
+
 def _collaborators(request: Request) -> tuple[Recorder, ProxySettings]:
     request.app.state.drain.touch()  # during a SIGTERM drain, agents still finish their attempts
     return request.app.state.recorder, request.app.state.settings.proxy
@@ -101,12 +133,17 @@ async def _barrier(request: Request, key: tuple[str, str], timeout_s: float) -> 
         )
 
 
-@router.post("/rollouts")
-async def register_rollout(body: RolloutIn, request: Request) -> dict[str, Any]:
+@router.post("/rollouts", openapi_extra={"requestBody": {"required": True, "content": {
+    "application/json": {"schema": RolloutIn.model_json_schema()}}}})
+async def register_rollout(body: Annotated[RolloutIn, Depends(rollout_body)], request: Request) -> dict[str, Any]:
     recorder, settings = _collaborators(request)
     rollout_id = check_id(body.rollout_id, "rollout_id")
     group_id = check_id(body.group_id, "group_id") if body.group_id is not None else None
-    await request.app.state.keys.authenticate(request.scope["headers"], rollout_id)
+    agent = await request.app.state.keys.authenticate(request.scope["headers"], rollout_id)
+    if agent is not None and group_id is not None and not agent.covers(group_id):
+        # Its attempts would join another team's group and change that group's advantages.
+        raise Forbidden(f"agent key {agent.id} covers rollouts starting with {agent.rollout_prefix!r}, "
+                        f"not group {group_id!r}", param="group_id", code="group_out_of_scope")
 
     async def op(conn: AsyncConnection) -> None:
         await store.register_rollout(conn, rollout_id, group_id, body.task, body.metadata)
@@ -118,6 +155,7 @@ async def register_rollout(body: RolloutIn, request: Request) -> dict[str, Any]:
 @router.post("/rollout/{rollout_id}/attempt/{attempt_id}/reward")
 async def post_reward(key: AttemptKey, body: RewardIn, request: Request) -> dict[str, Any]:
     recorder, settings = _collaborators(request)
+    _check_reward(body.value, "value", settings)
     if body.call_id is not None:
         await _barrier(request, key, settings.finish_timeout_s)  # the call must be readable to be named
 
@@ -134,6 +172,7 @@ async def finish(key: AttemptKey, body: FinishIn, request: Request) -> dict[str,
     """Returns only once every call of the attempt that reached this proxy (or, in a cluster, any
     proxy) is committed."""
     recorder, settings = _collaborators(request)
+    _check_reward(body.reward, "reward", settings)
     await _barrier(request, key, settings.finish_timeout_s)
 
     async def op(conn: AsyncConnection) -> tuple[list[dict[str, Any]], int]:

@@ -79,6 +79,9 @@ class Rollout(Base):
     group_id: Mapped[str | None] = mapped_column(String(ID_LEN), index=True)
     task: Mapped[Any | None] = mapped_column(Json)
     meta: Mapped[dict[str, Any] | None] = mapped_column("metadata", Json)
+    # {"task", "metadata"} exactly, as ASCII JSON text, when the queryable copies above had to
+    # change to be storable (U+0000, lone surrogates, numbers beyond float64); else NULL.
+    json_exact: Mapped[str | None] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=_now())
 
 

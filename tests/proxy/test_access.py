@@ -195,6 +195,34 @@ def test_keys_guard_every_agent_route(proxy_for: ProxyFactory, replica: tuple[st
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
 
 
+def test_a_scoped_key_registers_only_groups_under_its_prefix(proxy_for: ProxyFactory,
+                                                             replica: tuple[str, FaultReplica], db_url: str,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """Otherwise team a's attempts could join team b's group and change its advantages."""
+    url, _ = replica
+    with proxy_for([url], open_access=False, agent_key=AGENT_KEY) as proxy, \
+            httpx.Client(base_url=proxy.url, timeout=30) as client:
+        _, key_a = create_key(db_url, capsys, "--name", "team a", "--rollout-prefix", "team-a-")
+        as_a = {"authorization": f"Bearer {key_a}"}
+        time.sleep(1.0)  # unknown keys reload the cache at most once a second
+        for group in ("team-b-g", "team-a", "g", "TEAM-A-g"):
+            r = client.post("/rollouts", json={"rollout_id": "team-a-1", "group_id": group}, headers=as_a)
+            assert r.status_code == 403, (group, r.text)
+            assert_openai_error(r.json(), "group_out_of_scope")
+            assert r.json()["error"]["param"] == "group_id"
+        for rollout, group in (("team-a-1", "team-a-g"), ("team-a-2", None)):
+            r = client.post("/rollouts", json={"rollout_id": rollout, "group_id": group}, headers=as_a)
+            assert r.status_code == 200, r.text
+            assert r.json()["group_id"] == group or rollout
+        # An unscoped key registers any group.
+        unscoped = {"authorization": f"Bearer {AGENT_KEY}"}
+        r = client.post("/rollouts", json={"rollout_id": "team-b-1", "group_id": "team-a-g"}, headers=unscoped)
+        assert r.status_code == 200 and r.json()["group_id"] == "team-a-g"
+        # Only what was allowed reached the database: team-a-1 joined its own group.
+        assert client.post("/rollout/team-a-1/attempt/0/finish", json={}, headers=as_a).status_code == 200
+        assert client.get("/rollout/team-a-1/attempt/0", headers=as_a).json()["group_id"] == "team-a-g"
+
+
 def test_calls_in_flight_per_key_and_overall(proxy_for: ProxyFactory, replica: tuple[str, FaultReplica],
                                              db_url: str, capsys: pytest.CaptureFixture[str]) -> None:
     url, _ = replica

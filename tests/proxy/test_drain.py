@@ -2,8 +2,8 @@
 
 The proxy is a real process; 16 agents hold 2-second streams when SIGTERM arrives, and
 each sends `finish` as soon as its stream ends. While they run, a new relayed call is
-refused (503 `proxy_draining`, OpenAI's error shape, `Retry-After`), `/readyz` says
-draining, and reward, GET attempt and finish still answer. Every agent's finish is
+refused (503 `proxy_draining`, OpenAI's error shape, `Retry-After`, `x-rolltap-call-id` naming
+its record), `/readyz` says draining, and reward, GET attempt and finish still answer. Every agent's finish is
 answered; the process exits 0, and a new proxy on the same database finds every call
 recorded and every attempt finished.
 """
@@ -49,6 +49,7 @@ async def _scenario(proxy: ProxyProcess, log: AgentLog, finishes: list[int]) -> 
         late = await client.post(f"{proxy.url}/rollout/late/attempt/0/v1/chat/completions",
                                  json={"model": "m", "messages": []})
         seen["late"] = (late.status_code, late.headers.get("retry-after"), late.json())
+        seen["late_call_id"] = late.headers.get("x-rolltap-call-id")
         seen["readyz"] = (await client.get(f"{proxy.url}/readyz")).json()
         seen["reward"] = (await client.post(f"{proxy.url}/rollout/before/attempt/0/reward", json={"value": 1.0})
                           ).status_code
@@ -89,7 +90,8 @@ def test_sigterm_drains_then_flushes(db_url: str, tmp_path: Path) -> None:
                     assert [(c["call_id"], c["status"]) for c in attempt["calls"]] == [(turn.call_id, "ok")]
                     assert attempt["status"] == "succeeded"
                 late = client.get(f"{proxy.url}/rollout/late/attempt/0").json()
-                assert [c["status"] for c in late["calls"]] == ["failed"]  # refused, and recorded as such
+                # Refused, recorded as such, and the refusal named its record.
+                assert [(c["call_id"], c["status"]) for c in late["calls"]] == [(seen["late_call_id"], "failed")]
             assert "journal: recovered" not in proxy.log_path.read_text()  # a clean stop leaves no journal
         finally:
             proxy.stop()

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-from shared.settings import TrainerSettings
+from shared.settings import LimitSettings, TrainerSettings
 from trainer import algos
 from trainer.batch import build_batch
-from trainer.credit import spread
+from trainer.credit import final_reward, spread
 from trainer.data import build_samples
 from trainer.records import AttemptRow, CallRow, Group, RewardRow
 
@@ -154,3 +154,25 @@ def test_per_call_rewards_form_the_attempt_return() -> None:
     assert [s.reward for s in samples] == [0.25, 0.0, 0.75]
     assert samples[0].attempt_return == 1.0
     assert [s.advantage for s in samples] == pytest.approx([GRPO_2, GRPO_2 * 0.75, GRPO_2 * 0.75], abs=1e-6)
+
+
+@pytest.mark.parametrize("limit", [LimitSettings().max_abs_reward, 1e15])  # the default, the largest allowed
+def test_rewards_at_the_proxy_limit_give_finite_exact_advantages(limit: float) -> None:
+    """Rewards as large as the proxy accepts (`proxy.limits.max_abs_reward`, default and largest
+    allowed): returns summed from several rewards, group statistics and every estimator stay finite,
+    and a spread of 2 at that magnitude is still a signal (float32 would tie it)."""
+    posted = [RewardRow(limit, None, None), RewardRow(-limit, None, None), RewardRow(limit, None, None)]
+    returns = [final_reward(posted), final_reward([RewardRow(limit - 2, None, None)]), limit, -limit, -limit]
+    assert returns[:2] == [limit, limit - 2]
+    groups = ["near", "near", "far", "far", "far"]
+    for estimator in ("grpo", "rloo", "reinforce_plus_plus"):
+        for norm in (True, False):
+            adv = algos.attempt_advantages(estimator, returns, groups, norm_adv_by_std_in_grpo=norm)
+            assert all(math.isfinite(a) for a in adv.advantages), (estimator, adv.advantages)
+            assert all(math.isfinite(v) for stats in adv.group_stats.values() for v in stats)
+    grpo = algos.attempt_advantages("grpo", returns, groups)
+    # near: mean limit - 1, unbiased std sqrt(2); far: mean -limit / 3, unbiased std 2 * limit / sqrt(3)
+    assert grpo.advantages[:2] == pytest.approx([1 / math.sqrt(2), -1 / math.sqrt(2)], rel=1e-5)
+    assert grpo.advantages[2:] == pytest.approx([2 / math.sqrt(3), -1 / math.sqrt(3), -1 / math.sqrt(3)], rel=1e-6)
+    with pytest.raises(ValueError):
+        LimitSettings(max_abs_reward=1e16)  # beyond it, float32 loss terms could overflow

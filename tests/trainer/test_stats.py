@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
 
+from shared.settings import LimitSettings
 from tests.trainer.conftest import Db
 from trainer.consumption import record_training_step
 from trainer.main import main
@@ -58,3 +60,20 @@ def test_plot_writes_drop_reasons_and_staleness(db: Db, tmp_path: Path, capsys: 
     for path in report["plots"]:
         data = Path(path).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+
+
+def test_reward_statistics_stay_finite_at_any_stored_magnitude(db: Db, capsys: pytest.CaptureFixture[str]) -> None:
+    """Rewards at the proxy's limit, and ±1e308 stored before it had one (or by SQL): sums,
+    spread and histogram are finite numbers, not an overflow or NaN."""
+    limit = LimitSettings().max_abs_reward
+    for i, value in enumerate([limit, -limit, 1e308, -1e308, 1e308]):
+        db.attempt(f"big-{i}", "0", reward=value)
+    assert main(["--db", db.url, "stats", "--json"]) == 0
+    rewards = json.loads(capsys.readouterr().out)["rewards"]
+    numbers = [rewards[k] for k in ("mean", "std", "min", "median", "max")]
+    numbers += [edge for b in rewards["histogram"] for edge in (b["lo"], b["hi"])]
+    assert rewards["rewarded_attempts"] == 5 and all(math.isfinite(n) for n in numbers), rewards
+    assert sum(b["count"] for b in rewards["histogram"]) == 5
+    assert rewards["mean"] == pytest.approx(1e308 / 5) and rewards["max"] == 1e308
+    assert main(["--db", db.url, "stats"]) == 0
+    assert "Final rewards (5 rewarded" in capsys.readouterr().out

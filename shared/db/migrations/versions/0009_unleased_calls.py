@@ -5,8 +5,8 @@ then have no `call_leases` row that `finish` on another proxy could wait for. It
 many such calls are not yet committed in its heartbeat; `finish` elsewhere waits while any
 live proxy reports some, or has not been heard from lately (`proxy.cluster`).
 
-Revision ID: 0008
-Revises: 0007
+Revision ID: 0009
+Revises: 0008
 Create Date: 2026-12-03 10:40:00.000000
 """
 
@@ -15,8 +15,8 @@ from __future__ import annotations
 from alembic import op
 import sqlalchemy as sa
 
-revision = '0008'
-down_revision = '0007'
+revision = '0009'
+down_revision = '0008'
 branch_labels = None
 depends_on = None
 
