@@ -7,7 +7,7 @@
 - `finish` on one proxy waits for the attempt's call still streaming on another;
 - kill -9 of one of two proxies under load: the other keeps serving; the dead one's calls in
   flight are recorded `interrupted` within the lease time, and its own journal recovery,
-  when it restarts, records nothing twice;
+  when it restarts, records nothing twice and upgrades the calls it had journaled whole;
 - calls a killed proxy answered but had not committed: recorded `interrupted` by the other,
   then replaced by their complete records when the killed one restarts on its disk;
 - a proxy cut off from the database serves unleased only once the others see it silent, and
@@ -246,13 +246,16 @@ def test_kill9_of_one_proxy_under_load(tmp_path: Path) -> None:
             return by_id
 
         before = check_exactly_once()
-        # A comes back: its journal recovery writes what it journaled, skipping what the reaper wrote.
-        # The only calls it may add are ones killed between their journal entry and their lease row:
-        # never sent upstream and never answered, so they come back `interrupted`, once.
+        # A comes back: its journal recovery writes what it journaled. What the reaper wrote stays,
+        # except an `interrupted` call A had journaled whole (answered, not yet committed): it is
+        # upgraded to that record. The only calls it may add are ones killed between their journal
+        # entry and their lease row: never sent upstream and never answered, so `interrupted`, once.
         a.start()
         time.sleep(0.5)
         after = check_exactly_once()
-        assert before.items() <= after.items()
+        for cid, status in before.items():
+            assert after[cid] == status or (status, after[cid]) == ("interrupted", "ok") and cid in on_a, cid
+        assert all(after[cid] == "ok" for _, cid, complete, _ in turns if complete)  # A's too, now
         answered = {cid for _, cid, _, _ in turns if cid}
         assert all(status == "interrupted" and cid not in answered
                    for cid, status in after.items() if cid not in before)
