@@ -33,7 +33,7 @@ from proxy.errors import error_response, install_error_handlers
 from proxy.hosted import load_hosted
 from proxy.journal import Journal, recover
 from proxy.keystore import ensure_key
-from proxy.limits import check_headers, limited_receive
+from proxy.limits import check_framing, check_headers, limited_receive
 from proxy.openapi import install_openapi
 from proxy.policy import ActivePolicy
 from proxy.recorder import Recorder
@@ -55,8 +55,9 @@ logger = logging.getLogger(__name__)
 class ProxyApp(FastAPI):
     """FastAPI, except that relayed POSTs (the hot path) skip its routing and middleware layers.
 
-    Every HTTP request first passes the checks no route may skip: header limits (431) and
-    paths with `.`/`..` segments (404, refused rather than resolved, before any routing).
+    Every HTTP request first passes the checks no route may skip: header limits (431), HTTP/1.0
+    with a chunked body (400), and paths with `.`/`..` segments (404, refused rather than
+    resolved, before any routing).
     Then relayed POSTs: the framework's layers (error middleware, telemetry, body limit,
     exception middleware, exit stack, router, request wrapper) are pass-throughs for them
     but cost a few percent of the proxy's CPU per call, so a relayed POST is matched here
@@ -74,11 +75,12 @@ class ProxyApp(FastAPI):
         path = scope["path"]  # percent-decoded by the server: `%2e%2e` is `..` here
         try:
             check_headers(scope, self.limits)
+            check_framing(scope)
             if has_dot_segment(path):
                 raise NotFound(f"no route {scope['method']} {path[:200]}: '.' and '..' segments are refused",
                                code="unknown_route")
             if scope["method"] != "POST" or self.root_path or (target := match_relayed_post(path)) is None:
-                receive = limited_receive(scope, receive, self.limits.max_body_bytes)
+                receive = limited_receive(scope, receive, self.limits.max_body_bytes, self.limits.body_timeout_s)
                 target = None
         except RolltapError as exc:
             await error_response(exc.status_code, exc.message, exc.type, code=exc.code)(scope, receive, send)

@@ -21,7 +21,7 @@ __all__ = ["error_response", "install_error_handlers"]
 logger = logging.getLogger(__name__)
 
 _HTTP_TYPES = {404: "not_found_error", 405: "invalid_request_error", 401: "authentication_error"}
-_HTTP_CODES = {404: "unknown_route", 405: "method_not_allowed", 413: "body_too_large"}
+_HTTP_CODES = {404: "unknown_route", 405: "method_not_allowed", 408: "body_timeout", 413: "body_too_large"}
 
 
 def error_response(

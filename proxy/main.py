@@ -36,6 +36,7 @@ import uvicorn
 from proxy.app import cluster_enabled, create_app
 from proxy.drain import Drain
 from proxy.keystore import cli as keys_cli
+from proxy.server import protocol_class
 from proxy.upstream import shown_url
 from shared.db.engine import is_sqlite, redacted_url
 from shared.db.migrate import upgrade
@@ -157,9 +158,8 @@ def server_config(app: Any, settings: Settings, port: int | None = None) -> uvic
         proxy_headers=False,
         timeout_graceful_shutdown=int(settings.proxy.shutdown_timeout_s),
         lifespan="on",
-        # With the h11 parser, stop reading a header block past the limit (httptools has none of its
-        # own); every request's headers are checked again in `ProxyApp` either way.
-        h11_max_incomplete_event_size=settings.proxy.limits.max_header_bytes,
+        # httptools (uvicorn's own choice when installed), timing how long a request takes to arrive.
+        http=protocol_class(settings.proxy.limits),
         timeout_keep_alive=settings.proxy.keep_alive_s,
     )
 

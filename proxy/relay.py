@@ -107,6 +107,7 @@ class Relay:
         self._tracing = tracing
         self._max_body = settings.recorder.max_body_bytes
         self._max_request = settings.limits.max_body_bytes
+        self._body_timeout_s = settings.limits.body_timeout_s
         self._slots = slots or Slots(settings.limits.max_calls_in_flight)
         self._journal = journal
         self._drain = drain or Drain()
@@ -129,10 +130,11 @@ class Relay:
             if self._drain.is_draining:
                 raise ServiceUnavailable("the proxy is shutting down and takes no new calls; retry on another "
                                          "proxy or once it is back", code="proxy_draining", retry_after_s=1.0)
+            # The body first: a client slow to send it holds no slot (`proxy.limits.body_timeout_s` bounds it).
+            raw = call.request_body = await read_body(request, self._max_request, self._body_timeout_s)
             self._slots.take(agent)
             call.has_slot = True
             await self._admission.admit()
-            raw = call.request_body = await read_body(request, self._max_request)
             if self._cluster is not None and call.key is not None:
                 # Nothing goes upstream before its lease is in the database (if this proxy dies from
                 # here on, a live one finds the lease and records the call `interrupted`), or before

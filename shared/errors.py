@@ -4,6 +4,7 @@
     ├── InvalidRequest (400, invalid_request_error)
     │   └── InvalidId (400, invalid_request_error, code=invalid_id)
     │   ├── PayloadTooLarge (413, invalid_request_error, code=body_too_large)
+    │   ├── RequestTimeout (408, invalid_request_error, code=header_timeout|body_timeout)
     │   └── HeadersTooLarge (431, invalid_request_error, code=headers_too_large)
     ├── Unauthorized (401, authentication_error)
     ├── Forbidden (403, permission_error)
@@ -36,6 +37,7 @@ __all__ = [
     "NotDurable",
     "NotFound",
     "PayloadTooLarge",
+    "RequestTimeout",
     "RolltapError",
     "ServiceUnavailable",
     "TooManyRequests",
@@ -83,6 +85,12 @@ class InvalidId(InvalidRequest):
 class PayloadTooLarge(InvalidRequest):
     status_code = 413
     code = "body_too_large"
+
+
+class RequestTimeout(InvalidRequest):
+    # The client was too slow sending its request (a header block or body dripped, or stalled).
+    status_code = 408
+    code = "body_timeout"
 
 
 class HeadersTooLarge(InvalidRequest):

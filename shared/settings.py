@@ -222,8 +222,8 @@ class LimitSettings(BaseModel):
     )
     max_header_bytes: int = Field(
         default=64 * 1024, ge=1024,
-        description="Largest request header block, names and values together (431 beyond it). The h11 server "
-        "is also told to stop reading a header block past this size.",
+        description="Largest request header block, names and values together (431 beyond it). A block still "
+        "arriving is bounded in time by `header_timeout_s`.",
     )
     max_headers: int = Field(default=100, ge=8, description="Most request headers accepted (431 beyond it).")
     call_timeout_s: float = Field(
@@ -246,6 +246,17 @@ class LimitSettings(BaseModel):
         description="Largest reward magnitude accepted by `reward` and `finish` (400 `reward_out_of_range` "
         "beyond it), so the trainer's sums, spreads and float32 loss terms of rewards stay finite "
         "(at most 1e15).",
+    )
+    header_timeout_s: float = Field(
+        default=10.0, gt=0,
+        description="Time a client has to send a request's whole header block, from the connection's opening or from "
+        "the first byte of a later request on it; past it the connection is closed (with a 408 when part of a request "
+        "came). The longest an unused new connection stays open.",
+    )
+    body_timeout_s: float = Field(
+        default=60.0, gt=0,
+        description="Time a client has to send a request's whole body once its headers are in (408, and the "
+        "connection closed, beyond it). A relayed call holds no concurrency slot while its body arrives.",
     )
 
 
@@ -303,7 +314,8 @@ class ProxySettings(BaseModel):
     keep_alive_s: int = Field(
         default=75,
         ge=1,
-        description="How long an idle client connection stays open. Longer than clients' own pool expiry (httpx 5 s, "
+        description="How long an idle client connection stays open, counted from its opening (see also "
+        "`limits.header_timeout_s`) and from the end of each response. Longer than clients' own pool expiry (httpx 5 s, "
         "aiohttp 15 s) and a balancer's idle timeout (60 s is common), so the client closes an idle connection, not "
         "the proxy: when both close it at the same moment, a call sent on it fails before the proxy reads it (seen "
         "with uvicorn's default of 5 s: 1 call in 256 from 64 httpx agents).",
