@@ -210,7 +210,7 @@ class Recorder:
         try:
             await self._write(records, skip_existing=True)
         except Exception as exc:  # noqa: BLE001 - classified below
-            if not _is_outage(exc):
+            if not is_outage(exc):
                 await self._write_one_by_one(records)
                 return
             self._on_outage(exc)
