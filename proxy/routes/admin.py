@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import time
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 from urllib.parse import urlencode
 
 import orjson
@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from proxy import store
+from proxy.balancer import ReplicaState
 from proxy.upstream import JSON_HEADERS
 from shared.errors import Forbidden, RolltapError, ServiceUnavailable, Unauthorized
 
@@ -120,7 +121,7 @@ async def list_replicas(request: Request) -> dict[str, Any]:
 
 @router.post("/replicas", status_code=201)
 async def add_replica(body: ReplicaIn, request: Request) -> dict[str, Any]:
-    replica = request.app.state.balancer.add(body.url, body.weight_mode)
+    replica: ReplicaState = request.app.state.balancer.add(body.url, body.weight_mode)
     await _persist_replica(request, replica.url, replica.weight_mode, "active")
     return replica.describe()
 
