@@ -101,7 +101,7 @@ class ProxyApp(FastAPI):
             handler = self.exception_handlers.get(cls)
             if handler is not None:
                 response = handler(request, exc)
-                return await response if inspect.isawaitable(response) else response  # type: ignore[no-any-return]
+                return await response if inspect.isawaitable(response) else response
         raise exc  # no handler (install_error_handlers registers one for Exception)
 
 

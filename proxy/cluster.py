@@ -311,7 +311,8 @@ class Cluster:
             try:
                 self._listener = await asyncpg.connect(self._dsn)
                 closed = asyncio.Event()
-                self._listener.add_termination_listener(lambda _conn: closed.set())
+                # Bound now: a late callback from the previous connection must not set this one's event.
+                self._listener.add_termination_listener(lambda _conn, closed=closed: closed.set())
                 await self._listener.add_listener(CHANNEL, lambda *_args: self._kick.set())
                 await self._listener.add_listener(REPLICA_CHANNEL, lambda *_args: self._replicas_kick.set())
                 self._kick.set()  # whatever changed while not listening

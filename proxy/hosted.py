@@ -61,9 +61,10 @@ def load_hosted(config_path: Path | None) -> HostedModels | None:
 class HostedModels:
     def __init__(self, model_list: list[dict[str, Any]]) -> None:
         import litellm  # deferred: see module docstring
+        from litellm.router import Router  # its home: litellm's __init__ imports it without re-exporting
 
         litellm.drop_params = True  # vLLM-only fields must not break other providers
-        self._router = litellm.Router(model_list=model_list)
+        self._router = Router(model_list=model_list)
         self.names = frozenset(str(m["model_name"]) for m in model_list)
         logger.info("hosted models: %s", ", ".join(sorted(self.names)))
 
@@ -95,9 +96,9 @@ class HostedModels:
         call.t_first_byte = time.perf_counter()
         call.http_status = 200
         if not call.is_streaming:
-            body = orjson.dumps(result.model_dump(exclude_none=True))
-            relay.keep(call, body)  # the record's copy is cut at recorder.max_body_bytes; the client gets all
-            return Response(body, media_type="application/json", headers=call.headers())
+            content = orjson.dumps(result.model_dump(exclude_none=True))
+            relay.keep(call, content)  # the record's copy is cut at recorder.max_body_bytes; the client gets all
+            return Response(content, media_type="application/json", headers=call.headers())
 
         async def chunks() -> AsyncIterator[bytes]:
             async for chunk in result:

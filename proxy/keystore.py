@@ -13,9 +13,9 @@ import hashlib
 import secrets
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, cast
 
-from sqlalchemy import insert, select, update
+from sqlalchemy import Table, insert, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
@@ -27,7 +27,7 @@ from shared.types import is_valid_id
 
 __all__ = ["StoredKey", "cli", "ensure_key", "hash_key", "load_keys", "new_key"]
 
-_TABLE = AgentKeyRow.__table__
+_TABLE = cast(Table, AgentKeyRow.__table__)  # a declarative model's table; typed as its base, FromClause
 
 
 def new_key() -> str:
@@ -104,7 +104,9 @@ def cli(argv: list[str]) -> int:
     revoke = sub.add_parser("revoke", help="revoke a key by id (proxies stop accepting it within keys_refresh_s)")
     revoke.add_argument("key_id")
     args = parser.parse_args(argv)
-    settings = Settings(db={"url": args.db}) if args.db else Settings()
+    # A dict, not a DbSettings: pydantic-settings merges it with the ROLLTAP_DB__* environment.
+    overrides: dict[str, Any] = {"db": {"url": args.db}} if args.db else {}
+    settings = Settings(**overrides)
     if settings.db.migrate_on_start:
         upgrade(settings.db)
     engine = create_sync_db(settings.db)

@@ -210,9 +210,9 @@ def _serve_workers(settings: Settings) -> int:
             pid, status = os.wait()
         except ChildProcessError:
             break
-        n = workers.pop(pid, None)
-        if n is None:
+        if pid not in workers:
             continue
+        n = workers.pop(pid)
         code = os.waitstatus_to_exitcode(status)
         if stopping:
             worst = max(worst, abs(code))

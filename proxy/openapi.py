@@ -79,6 +79,8 @@ def _document(app: FastAPI) -> dict[str, Any]:
         for op in item.values():
             responses = op.setdefault("responses", {})
             responses.pop("422", None)
+            codes: tuple[str, ...]
+            security: list[dict[str, list[str]]] | None
             if path.startswith("/admin"):
                 codes, security = _ADMIN, [{"AdminToken": []}]
             elif path.startswith(("/rollout", "/rollouts")):
@@ -96,9 +98,9 @@ def _document(app: FastAPI) -> dict[str, Any]:
     for route in Route:
         paths[f"{PREFIX}/{route.value}"] = {"post": _relayed_post(f"Recorded {route.value} call", tracked=True)}
     paths[f"{PREFIX}/models"] = {"get": _models(tracked=True)}
-    for route in sorted(UNTRACKED_POST):
-        paths[f"/v1/{route}"] = {"post": _relayed_post(f"Untracked {route} call (recorded without an attempt)",
-                                                       tracked=False)}
+    for untracked in sorted(UNTRACKED_POST):
+        paths[f"/v1/{untracked}"] = {"post": _relayed_post(f"Untracked {untracked} call (recorded without an attempt)",
+                                                           tracked=False)}
     paths["/v1/models"] = {"get": _models(tracked=False)}
     components = schema.setdefault("components", {})
     components.setdefault("schemas", {})["Error"] = {

@@ -421,7 +421,7 @@ class Relay:
     async def record(self, call: CallState) -> None:
         """Queue the call's record (journaled first, unless a stream sealed it already). Once per call."""
         record = call.sealed
-        if record is None or call.sealed_len != len(call.body) or call.status != call.sealed.status:
+        if record is None or call.sealed_len != len(call.body) or call.status != record.status:
             # Not sealed, or something happened after the seal (a late error event, a cut source).
             record = await self._seal(call)
         self._drain.call_ended()

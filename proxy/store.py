@@ -16,7 +16,7 @@ from operator import attrgetter
 from typing import Any
 
 import orjson
-from sqlalchemy import Connection, Insert, Integer, bindparam, delete, func, select, text, update
+from sqlalchemy import Connection, Integer, bindparam, delete, func, select, text, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncConnection
 
@@ -95,9 +95,11 @@ def dumps_json(value: Any) -> str:
         return json.dumps(value)
 
 
-def _insert(conn: AsyncConnection | Connection, table: Any) -> Insert:
-    module = postgresql if conn.dialect.name == "postgresql" else sqlite
-    return module.insert(table)  # type: ignore[no-any-return]
+def _insert(conn: AsyncConnection | Connection, table: Any) -> postgresql.Insert | sqlite.Insert:
+    # Both dialects' inserts have the same on_conflict_* API; SQLAlchemy's generic Insert has none.
+    if conn.dialect.name == "postgresql":
+        return postgresql.insert(table)
+    return sqlite.insert(table)
 
 
 def _ensure_attempts_sync(conn: Connection, keys: dict[tuple[str, str], int | None]) -> None:

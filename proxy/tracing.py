@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Tracing", "load_tracing"]
 
-_OPERATION = {Route.CHAT: "chat", Route.COMPLETIONS: "text_completion", Route.MESSAGES: "chat"}
+_OPERATION: dict[str, str] = {Route.CHAT: "chat", Route.COMPLETIONS: "text_completion", Route.MESSAGES: "chat"}
 
 
 class Tracing:

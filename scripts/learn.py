@@ -391,7 +391,7 @@ def main() -> None:
                         proxy_url, j[0], j[1], j[2], max_tokens=args.max_tokens, http=http,
                         temperature=args.temperature), jobs))
                 rollout_s = time.monotonic() - t
-                _wait(lambda: _active_version(proxy_url) > version, 900, "the trainer's next version", trainer)
+                _wait(lambda v=version: _active_version(proxy_url) > v, 900, "the trainer's next version", trainer)
                 tokens = [a.completion_tokens for a in attempts if a.completion_tokens is not None]
                 truncated = [a.truncated for a in attempts if a.truncated is not None]
                 curve.append({

@@ -46,7 +46,7 @@ from trainer import algos, verl_cpu
 from trainer.batch import Batch
 
 if TYPE_CHECKING:
-    from tensordict import TensorDict  # type: ignore[import-untyped]
+    from tensordict import TensorDict
 
 __all__ = ["CheckpointError", "PolicyUpdater", "dp_order", "start_ray"]
 
@@ -226,12 +226,12 @@ class PolicyUpdater:
         from verl.utils import tensordict_utils as tu
         from verl.workers.utils.padding import left_right_2_no_padding
 
-        tensors = dict(tensors)
-        if "temperature" not in tensors:  # a batch built elsewhere: vLLM's default
-            tensors["temperature"] = torch.ones(tensors["input_ids"].shape[0])
+        batch: dict[str, torch.Tensor | list[Any]] = dict(tensors)  # a copy, typed as verl takes it
+        if "temperature" not in batch:  # a batch built elsewhere: vLLM's default
+            batch["temperature"] = torch.ones(tensors["input_ids"].shape[0])
         # Per-row temperature (B,): verl's engine divides each row's logits by its own, so the
         # logprobs are those of the distribution the replica sampled from.
-        td = left_right_2_no_padding(tu.get_tensordict(tensor_dict=tensors))
+        td = left_right_2_no_padding(tu.get_tensordict(tensor_dict=batch))
         tu.assign_non_tensor(td, **meta)
         return td
 

@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
-from tensordict import TensorDict  # type: ignore[import-untyped]
+from tensordict import TensorDict
 from verl.single_controller.base.decorator import Dispatch, make_nd_compute_dataproto_dispatch_fn, register
 from verl.utils import tensordict_utils as tu
 from verl.workers.config import TrainingWorkerConfig
@@ -142,7 +142,7 @@ class PolicyWorker(TrainingWorker):
         return str(out)
 
     def _write_export(self, state: dict[str, torch.Tensor], tmp: Path, kind: str) -> None:
-        from accelerate import init_empty_weights  # type: ignore[import-untyped]
+        from accelerate import init_empty_weights
         from transformers import AutoModelForCausalLM
 
         hf_config = self.model_config.hf_config

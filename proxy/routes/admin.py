@@ -19,6 +19,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validat
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from proxy import store
+from proxy.balancer import ReplicaState
 from proxy.upstream import JSON_HEADERS
 from shared.errors import Forbidden, RolltapError, ServiceUnavailable, Unauthorized
 
@@ -164,7 +165,7 @@ async def list_replicas(request: Request) -> dict[str, Any]:
 
 @router.post("/replicas", status_code=201)
 async def add_replica(body: ReplicaIn, request: Request) -> dict[str, Any]:
-    replica = request.app.state.balancer.add(body.url, body.weight_mode)
+    replica: ReplicaState = request.app.state.balancer.add(body.url, body.weight_mode)
     await _persist_replica(request, replica.shown_url, replica.weight_mode, "active")
     return replica.describe()
 

@@ -49,7 +49,7 @@ def test_add_and_remove_replicas_at_run_time(proxy_for: ProxyFactory) -> None:
 
 
 def test_drain_lets_in_flight_end_then_removes(proxy_for: ProxyFactory) -> None:
-    with fault_replicas(2) as [(a_url, a), (b_url, b)], proxy_for([a_url, b_url]) as proxy, httpx.Client() as http:
+    with fault_replicas(2) as [(a_url, _), (b_url, _)], proxy_for([a_url, b_url]) as proxy, httpx.Client() as http:
         slow = {**CHAT, "stream": True, "max_tokens": 8, "fault": {"delay_s": 0.1}}
         results: dict[str, str] = {}
 
@@ -67,7 +67,7 @@ def test_drain_lets_in_flight_end_then_removes(proxy_for: ProxyFactory) -> None:
         r = http.post(f"{proxy.url}/admin/replicas/drain", json={"url": draining_url}, headers=AUTH)
         assert r.status_code == 200 and r.json()["state"] == "draining"
         # No new calls (not even of the rollout bound to it) go to a draining replica.
-        for i in range(3):
+        for _ in range(3):
             http.post(f"{proxy.base_url('s', 'b')}/chat/completions", json=CHAT).raise_for_status()
         waited = http.post(f"{proxy.url}/admin/replicas/drain", json={"url": draining_url, "wait": True},
                            headers=AUTH, timeout=30)

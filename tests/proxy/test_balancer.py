@@ -13,7 +13,7 @@ import pytest
 
 from tests.conftest import ProxyFactory
 from tests.support.fault_replica import FaultReplica
-from tests.support.servers import free_port, serve_in_thread
+from tests.support.servers import serve_in_thread
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
 

@@ -245,8 +245,8 @@ def test_no_secret_in_any_log(replica: str, tmp_path: Path, pg_url_with_password
     texts = {"proxy": proxy_log, "metrics": metrics, "keys cli stderr": created.stderr,
              "trainer": stats.stdout + stats.stderr, "refused db": refused.stdout + refused.stderr}
     for secret in (password, admin_token, AGENT_KEY, scoped_key):
-        for name, text in texts.items():
-            assert secret not in text, f"a secret is in the {name} output"
+        for name, output in texts.items():
+            assert secret not in output, f"a secret is in the {name} output"
 
 
 def _get_healthz(sock: socket.socket) -> bytes:

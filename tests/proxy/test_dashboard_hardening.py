@@ -177,7 +177,7 @@ def _record_odd_calls(db_url: str, rollout_id: str) -> int:
     """Attempts whose call rows hold odd responses and token fields, written as the recorder writes rows."""
     now = dt.datetime.now(dt.UTC)
     rows: list[dict[str, Any]] = []
-    for i, response in enumerate(ODD_RESPONSES):
+    for response in ODD_RESPONSES:
         rows.append({"response": response, "request": {"messages": [{"role": "user", "content": XSS}]}})
     for i, tokens in enumerate(ODD_TOKENS):
         rows.append({"attempt": "tokens", "seq": i, **tokens, "response": {"choices": [{"message": {"content": "ok"}}]},

@@ -11,7 +11,6 @@ recorded and every attempt finished.
 from __future__ import annotations
 
 import asyncio
-import time
 from pathlib import Path
 
 import httpx

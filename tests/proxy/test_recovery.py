@@ -45,7 +45,7 @@ def test_a_refused_journal_record_never_keeps_the_proxy_down(db_url: str, tmp_pa
     _journal_of_a_dead_proxy(tmp_path / "spool" / "journal", [good, bad])
     with serve_in_thread(FaultReplica()) as (replica, _):
         settings = make_settings(db_url, [replica], tmp_path)
-        for start in range(2):  # and again: the dead letter stays, the start still succeeds
+        for _ in range(2):  # and again: the dead letter stays, the start still succeeds
             with run_proxy(settings) as proxy, httpx.Client(timeout=30) as http:
                 ready = http.get(f"{proxy.url}/readyz").json()
                 assert ready["status"] == "degraded" and ready["checks"]["dead_letter_records"] == 1
