@@ -14,8 +14,8 @@ the run ends, each agent completes its attempt and its `finish` (given up after 
 
 * pg-immediate: `pg_ctl -m immediate` at mid-run, started again `--down-s` (30 s) later;
 * kill-restart: two proxies on the database (cluster, lease 2 s, heartbeat 0.25 s) behind
-  `tests/support/round_robin.py`; `kill -9` of one 10 s in, restarted on the same workdir
-  `--down-s` (10 s) later;
+  `tests/support/round_robin.py`; `kill -9` of one 10 s in, once it has calls upstream (up to
+  10 s more), restarted on the same workdir `--down-s` (10 s) later;
 * disk-full: one proxy whose spool (and journal) is on a tmpfs of `--disk-size`, filled at
   mid-run for `--down-s` (30 s), then freed; `/readyz` and `/admin/replicas` sampled.
 
@@ -32,6 +32,8 @@ import argparse
 import asyncio
 import json
 import os
+import re
+import statistics
 import tempfile
 import time
 from collections import Counter
@@ -77,6 +79,7 @@ class Load:
     finish_503_without_retry_after: int = 0
     unfinished: list[str] = field(default_factory=list)  # attempts whose `finish` never answered 200
     gave_up_calls: int = 0
+    finish_s: list[float] = field(default_factory=list)  # from the first `finish` sent to its 200
     deadline: float = float("inf")  # set when the run ends: retries stop GIVE_UP_S later
     t0: float = field(default_factory=time.monotonic)
     events: list[str] = field(default_factory=list)
@@ -104,6 +107,7 @@ async def _call(client: httpx.AsyncClient, url: str, rid: str, aid: str, body: d
 
 
 async def _finish(client: httpx.AsyncClient, url: str, rid: str, aid: str, load: Load) -> None:
+    started = time.monotonic()
     while True:
         retry_after: str | None = None
         try:
@@ -113,6 +117,7 @@ async def _finish(client: httpx.AsyncClient, url: str, rid: str, aid: str, load:
         else:
             load.finishes[str(answer.status_code)] += 1
             if answer.status_code == 200:
+                load.finish_s.append(time.monotonic() - started)
                 return
             retry_after = answer.headers.get("retry-after")
             if answer.status_code == 503 and retry_after is None:
@@ -195,6 +200,8 @@ def account(load: Load, db_url: str, check_url: str, *, is_proxy_alive: bool) ->
         "interrupted_seen_complete": sum(by_id[cid][4] == "interrupted" for cid in not_ok), "duplicates": duplicates, "attempts_with_seq_gaps": gaps,
         "attempts_left_running_all_recorded": len(running), "leases_left": leases,
         "finish_answers": dict(load.finishes), "finish_503_without_retry_after": load.finish_503_without_retry_after,
+        "finish_s_median_max": [round(statistics.median(load.finish_s), 2) if load.finish_s else None,
+                                round(max(load.finish_s, default=0.0), 2)],
         "attempts_unfinished": len(load.unfinished), "calls_given_up": load.gave_up_calls, "checked_via_api": checked,
     }
     for what, items in (("complete calls not recorded", lost), ("complete calls recorded not ok", not_ok),
@@ -220,6 +227,25 @@ def _log_count(proxy: ProxyProcess, needle: str) -> int:
     return proxy.log_path.read_text(errors="replace").count(needle)
 
 
+def _metric(url: str, name: str) -> float:
+    got = http_get(url, "/metrics", 10.0)
+    assert got is not None and got[0] == 200, f"{url}/metrics: {got}"
+    match = re.search(rf"^{name} (\S+)$", got[1].decode(), re.MULTILINE)
+    return float(match.group(1)) if match else 0.0
+
+
+def _upstream_in_flight(url: str) -> int:
+    """Calls this proxy has sent to its replicas and not yet ended (summed over replicas)."""
+    got = http_get(url, "/metrics", 2.0)
+    values = re.findall(r"^rolltap_replica_in_flight\{[^}]*\} (\S+)$", got[1].decode(), re.MULTILINE) if got else []
+    return int(sum(float(v) for v in values))
+
+
+def _complete_between(load: Load, start: int, end: int) -> int:
+    """Calls seen complete among those that ended between two points of the run (turns are logged as they end)."""
+    return sum(t.is_complete for t in load.log.turns[start:end])
+
+
 async def pg_immediate(stack: ExitStack, pg: PrivatePostgres, work: Path, args: argparse.Namespace,
                        down_s: float, duration_s: float) -> tuple[dict[str, Any], list[str], list[str]]:
     db_url = pg.database("edges_pg")
@@ -228,17 +254,22 @@ async def pg_immediate(stack: ExitStack, pg: PrivatePostgres, work: Path, args: 
     stack.callback(proxy.stop)
     proxy.start()
     at_s = (duration_s - down_s) / 2
+    marks: list[int] = []  # calls ended when PostgreSQL stopped, and when it was back
 
     async def fault(load: Load) -> None:
         await asyncio.sleep(at_s)
-        load.note(f"pg_ctl -m immediate ({len(load.log.turns)} calls so far)")
+        marks.append(len(load.log.turns))
+        load.note(f"pg_ctl -m immediate ({marks[0]} calls so far)")
         await asyncio.to_thread(pg.stop, "immediate")
         await asyncio.sleep(down_s)
         await asyncio.to_thread(pg.start)
-        load.note("PostgreSQL started again")
+        marks.append(len(load.log.turns))
+        load.note(f"PostgreSQL started again ({marks[1]} calls so far)")
 
     load = await drive(proxy.url, args.agents, duration_s, fault)
     counts, violations = await asyncio.to_thread(account, load, db_url, proxy.url, is_proxy_alive=True)
+    counts["complete_during_outage"] = _complete_between(load, *marks)
+    counts["records_spooled"] = _metric(proxy.url, "rolltap_records_spooled_total")
     spool = proxy.workdir / "spool"
     counts["dead_letter_files"] = len(list((spool / "dead").glob("*"))) if (spool / "dead").is_dir() else 0
     counts["spool_files_left"] = len(list(spool.glob("*.jsonl")))
@@ -262,10 +293,19 @@ async def kill_restart(stack: ExitStack, pg: PrivatePostgres, work: Path, args: 
     lb = stack.enter_context(serve_in_thread(balancer))[0]
     restart_s: list[float] = []
 
+    in_flight: list[int] = []
+
     async def fault(load: Load) -> None:
         await asyncio.sleep(10.0)
+        # Agents move in step (3 calls, then finish): wait for a moment with calls on A, or the kill shows nothing.
+        wanted, deadline = max(1, args.agents // 8), time.monotonic() + 10.0
+        while True:
+            in_flight[:] = [await asyncio.to_thread(_upstream_in_flight, a.url)]
+            if in_flight[0] >= wanted or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.05)
         await asyncio.to_thread(a.kill9)
-        load.note(f"kill -9 proxy A ({len(load.log.turns)} calls so far)")
+        load.note(f"kill -9 proxy A with {in_flight[0]} calls in flight on it ({len(load.log.turns)} calls so far)")
         await asyncio.sleep(down_s)
         load.note("restarting proxy A on its workdir")
         restart_s.append(await asyncio.to_thread(a.start))
@@ -277,6 +317,8 @@ async def kill_restart(stack: ExitStack, pg: PrivatePostgres, work: Path, args: 
     turns = load.log.turns
     counts["cut_on_killed_proxy"] = sum(t.call_id in on_a and t.http_status == 200 and not t.is_complete
                                         for t in turns)
+    counts["in_flight_on_a_at_kill"] = in_flight[0] if in_flight else None
+    counts["requests_per_proxy"] = {"A (killed)": balancer.requests[a.url], "B": balancer.requests[b.url]}
     counts["restart_s"] = round(restart_s[0], 1) if restart_s else None
     counts["proxy_log_tracebacks"] = _log_count(a, "Traceback") + _log_count(b, "Traceback")
     if not counts["cut_on_killed_proxy"]:
@@ -297,6 +339,7 @@ async def disk_full(stack: ExitStack, pg: PrivatePostgres, work: Path, args: arg
     proxy.start()
     at_s = (duration_s - down_s) / 2
     window: dict[str, float] = {}
+    marks: list[int] = []  # calls ended when the disk was filled, and when it was freed
     ready: list[tuple[float, str, str]] = []  # (t, /readyz status, local_storage) sampled through the run
     unhealthy: list[str] = []
 
@@ -315,10 +358,12 @@ async def disk_full(stack: ExitStack, pg: PrivatePostgres, work: Path, args: arg
     async def fault(load: Load) -> None:
         sampler = asyncio.create_task(sample(load))
         await asyncio.sleep(at_s)
+        marks.append(len(load.log.turns))
         await asyncio.to_thread(disk.fill)
         window["filled"] = time.monotonic() - load.t0
         load.note(f"disk filled, {disk.free_bytes} bytes free ({len(load.log.turns)} calls so far)")
         await asyncio.sleep(down_s)
+        marks.append(len(load.log.turns))
         disk.free()
         window["freed"] = time.monotonic() - load.t0
         load.note(f"disk freed, {disk.free_bytes >> 20} MiB free")
@@ -330,6 +375,8 @@ async def disk_full(stack: ExitStack, pg: PrivatePostgres, work: Path, args: arg
     in_window = [s for t, s, _ in ready if window["filled"] <= t <= window["freed"]]
     after = ready[-1][1] if ready else "none"
     counts |= {
+        "complete_during_fill": _complete_between(load, *marks),
+        "journal_write_failures": _metric(proxy.url, "rolltap_journal_write_failures_total"),
         "refused_507": len(refused), "refused_507_without_retry_after": sum(t.retry_after is None for t in refused),
         "refused_507_other_code": sum("local_storage_unavailable" not in (t.error or "") for t in refused),
         "readyz_during_fill": dict(Counter(in_window)), "readyz_after": after,
@@ -344,8 +391,8 @@ async def disk_full(stack: ExitStack, pg: PrivatePostgres, work: Path, args: arg
                     ("samples with an unhealthy replica", len(unhealthy))):
         if n:
             violations.append(f"{n} {what}")
-    if not refused:
-        violations.append("the fill was not hit: no call was refused 507")
+    if not refused or not counts["complete_during_fill"]:
+        violations.append("the fill was not hit: no call was refused 507, or no stream ran across it")
     if "degraded" not in in_window:
         violations.append(f"/readyz never said degraded while the disk was full: {dict(Counter(in_window))}")
     if after != "ready":
