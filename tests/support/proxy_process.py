@@ -103,6 +103,7 @@ class Turn:
     http_status: int | None = None
     is_complete: bool = False  # the whole stream, `[DONE]` and its end, reached the client
     error: str | None = None
+    retry_after: str | None = None  # the `Retry-After` header of a refused call
 
 
 @dataclass
@@ -125,6 +126,7 @@ async def stream_turn(client: httpx.AsyncClient, url: str, rollout_id: str, atte
                                  json=body) as response:
             turn.http_status = response.status_code
             turn.call_id = response.headers.get("x-rolltap-call-id")
+            turn.retry_after = response.headers.get("retry-after")
             raw = b""
             async for chunk in response.aiter_raw():
                 raw += chunk
