@@ -21,18 +21,11 @@ from sqlalchemy import create_engine, text
 
 from shared.db.engine import sync_url
 from shared.settings import ProxySettings
-from tests.support.fault_replica import FaultReplica
-from tests.support.servers import free_port, serve_in_thread
+from tests.support.servers import free_port
 
 SCRIPT = Path(sys.executable).parent / "rolltap-proxy"
 AGENT_KEY = "rk-cli-test-agent-key-0123456789abcdef0123456789"  # configured through ROLLTAP_PROXY__AGENT_KEY
 AUTH = {"authorization": f"Bearer {AGENT_KEY}"}
-
-
-@pytest.fixture(scope="module")
-def replica() -> Iterator[str]:
-    with serve_in_thread(FaultReplica()) as (url, _):
-        yield url
 
 
 def _env(**extra: str) -> dict[str, str]:

@@ -28,19 +28,13 @@ from shared.db.engine import create_sync_db
 from shared.db.models import Attempt, Call, Rollout
 from shared.settings import DbSettings
 from tests.conftest import ProxyFactory, make_settings
-from tests.support.fault_replica import MODEL, FaultReplica
+from tests.support.fault_replica import MODEL
 from tests.support.servers import free_port, serve_in_thread
 
 AUTH = {"authorization": "Bearer t"}
 SHAPE = {"message", "type", "param", "code"}
 XSS = "<script>alert(1)</script>"
 ESCAPED = "&lt;script&gt;alert(1)&lt;/script&gt;"
-
-
-@pytest.fixture
-def replica() -> Iterator[str]:
-    with serve_in_thread(FaultReplica()) as (url, _):
-        yield url
 
 
 # -- filters ------------------------------------------------------------------------------------------------

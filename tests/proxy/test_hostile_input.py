@@ -30,8 +30,7 @@ from shared.settings import DbSettings
 from shared.verbatim import dumps_exact, loads_exact
 from tests.conftest import DB_KINDS, make_settings
 from tests.support.databases import database, postgres_database
-from tests.support.fault_replica import FaultReplica
-from tests.support.servers import RunningProxy, run_proxy, serve_in_thread
+from tests.support.servers import RunningProxy, run_proxy
 
 _ids = itertools.count()
 JSON = {"content-type": "application/json"}
@@ -40,12 +39,6 @@ JSON = {"content-type": "application/json"}
 HOSTILE_STRINGS = ['"\\u0000"', '"a\\u0000b"', '"\\ud800"', '"x\\udfffy"', '"\\ud83d"', '"\\u0001\\u001f\\u007f"',
                    '"\\t\\n\\r"', '"\\u2028"', '"\\ud83d\\ude00"', '"\\ufffd"', '"é€"']
 HOSTILE_NUMBERS = ["1e400", "-1e400", "1E+999", "123456789012345678901234567890", "-0", "1e-400", "0.1"]
-
-
-@pytest.fixture(scope="module")
-def replica() -> Iterator[str]:
-    with serve_in_thread(FaultReplica()) as (url, _):
-        yield url
 
 
 @pytest.fixture(scope="module", params=DB_KINDS)

@@ -6,19 +6,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import httpx
-import pytest
 
 from tests.conftest import ProxyFactory
-from tests.support.fault_replica import FaultReplica
-from tests.support.servers import serve_in_thread
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-
-
-@pytest.fixture(scope="module")
-def replica() -> Iterator[str]:
-    with serve_in_thread(FaultReplica()) as (url, _):
-        yield url
 
 
 def _error(r: httpx.Response, status: int, code: str) -> dict[str, Any]:

@@ -11,7 +11,6 @@ import select
 import socket
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -19,19 +18,12 @@ import orjson
 import pytest
 
 from tests.conftest import ProxyFactory
-from tests.support.fault_replica import FaultReplica
-from tests.support.servers import RunningProxy, serve_in_thread
+from tests.support.servers import RunningProxy
 
 AGENT_KEY = "rk-test-timeouts-agent-key-0000000000000000000000"
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 CHAT_PATH = "/rollout/{}/attempt/0/v1/chat/completions"
 sqlite_only = pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
-
-
-@pytest.fixture(scope="module")
-def replica() -> Iterator[str]:
-    with serve_in_thread(FaultReplica()) as (url, _):
-        yield url
 
 
 def _connect(proxy: RunningProxy) -> socket.socket:

@@ -29,17 +29,10 @@ from hypothesis import strategies as st
 from shared.verbatim import MAX_DEPTH
 from tests.conftest import DB_KINDS, make_settings
 from tests.support.databases import database
-from tests.support.fault_replica import FaultReplica
-from tests.support.servers import RunningProxy, run_proxy, serve_in_thread
+from tests.support.servers import RunningProxy, run_proxy
 
 _examples = itertools.count()
 EXAMPLES = int(os.environ.get("ROLLTAP_TEST_VERBATIM_EXAMPLES", "1000"))
-
-
-@pytest.fixture(scope="module")
-def replica() -> Iterator[str]:
-    with serve_in_thread(FaultReplica()) as (url, _):
-        yield url
 
 
 @pytest.fixture(scope="module", params=DB_KINDS)
