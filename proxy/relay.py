@@ -441,7 +441,7 @@ class Relay:
             served_model=call.served_model,
             arrival=call.arrival,
         )
-        if call.body:
+        if call.body or call.whole is not None:  # a stream cut before its first kept byte has its token fields
             _fill_response(record, call)
         return record
 
@@ -454,7 +454,7 @@ def _fill_response(record: CallRecord, call: CallState) -> None:
         response: Any = assemble_stream(call.route, events)
     else:
         response = _parse_whole(call.body)
-    record.response = response
+    record.response = response if call.body else None
     if isinstance(call.whole, StreamTail):
         fields = call.whole.fields()
     elif call.whole is not None:

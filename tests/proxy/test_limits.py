@@ -132,20 +132,24 @@ def test_a_response_cut_for_storage_keeps_its_whole_token_fields(proxy_for: Prox
         streamed = client.post(chat, json={**CHAT, "stream": True,
                                            "fault": {"chunks": _pieces(stream, 150), "delay_s": 0.002}})
         assert streamed.status_code == 200 and streamed.content == stream
+        # One piece: the proxy's first read is already past the limit, so nothing is kept.
+        at_once = client.post(chat, json={**CHAT, "stream": True, "fault": {"chunks": [stream.decode()]}})
+        assert at_once.status_code == 200 and at_once.content == stream
         resp = client.post("/rollout/cut/attempt/0/v1/responses",
                            json={"model": "m", "input": "hi", "stream": True,
                                  "fault": {"chunks": responses, "delay_s": 0.002}})
         assert resp.status_code == 200 and resp.content == "".join(responses).encode()
         calls = _calls(client, "cut")
-    assert [c["route"] for c in calls] == ["chat/completions", "chat/completions", "responses"]
-    for call, got in zip(calls, (whole, streamed, resp), strict=True):
+    assert [c["route"] for c in calls] == ["chat/completions"] * 3 + ["responses"]
+    for call, got in zip(calls, (whole, streamed, at_once, resp), strict=True):
         assert call["status"] == "ok" and call["response_truncated"] is True
-        body = call["response_body"].encode()
-        assert 0 < len(body) <= 1024 and got.content.startswith(body)  # the stored body: cut
+        body = (call["response_body"] or "").encode()
+        assert len(body) <= 1024 and got.content.startswith(body)  # the stored body: cut
+        assert body or call is calls[2]
         assert call["prompt_token_ids"] == [1, 2, 3]
         assert call["completion_token_ids"] == ids and call["completion_logprobs"] == logprobs
         assert call["usage"]["completion_tokens"] == n
-    assert [c["finish_reason"] for c in calls] == ["length", "length", "stop"]
+    assert [c["finish_reason"] for c in calls] == ["length", "length", "length", "stop"]
     # `response` is parsed from the bytes kept: a cut whole body cannot be, so its start is kept as
     # text; a cut stream assembles the events kept (the event across the cut is left out).
     assert calls[0]["response"] == {"raw": calls[0]["response_body"]}
