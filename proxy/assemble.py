@@ -5,6 +5,10 @@ token IDs and logprobs concatenated per choice), so a record looks the same whic
 way the client asked. Extraction then reads token IDs, logprobs, finish reason and
 usage from that shape. Runs after the last byte reached the client: never on the
 relay's critical path.
+
+A stream longer than the record keeps (`recorder.max_body_bytes`) is also read as it
+passes, past the cut, by a `StreamTail`: it keeps only what extraction reads, so the
+record's token fields are those of the whole answer while its body stays cut.
 """
 
 from __future__ import annotations
@@ -13,10 +17,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from proxy import responses
+from proxy.sse import SseParser
 from shared.types import Route
 from shared.verbatim import ExactJsonError, loads_exact
 
-__all__ = ["Extract", "assemble_stream", "extract"]
+__all__ = ["Extract", "StreamTail", "assemble_stream", "extract"]
 
 Json = dict[str, Any]
 
@@ -49,12 +54,25 @@ def assemble_stream(route: str, events: list[str]) -> Json:
 
 
 def _assemble_openai(route: str, chunks: list[Json]) -> Json:
-    out: Json = {}
-    choices: dict[int, Json] = {}
+    assembly = _OpenAIAssembly(route)
     for chunk in chunks:
+        assembly.add(chunk)
+    return assembly.result()
+
+
+class _OpenAIAssembly:
+    """A chat or completions stream rebuilt chunk by chunk into its non-streamed shape."""
+
+    def __init__(self, route: str) -> None:
+        self._route = route
+        self._out: Json = {}
+        self._choices: dict[int, Json] = {}
+
+    def add(self, chunk: Json) -> None:
+        out = self._out
         if "error" in chunk and "choices" not in chunk:
             out["error"] = chunk["error"]
-            continue
+            return
         for key in ("id", "created", "model", "system_fingerprint"):
             if key in chunk and key not in out:
                 out[key] = chunk[key]
@@ -64,11 +82,15 @@ def _assemble_openai(route: str, chunks: list[Json]) -> Json:
             out["usage"] = chunk["usage"]
         for part in chunk.get("choices") or ():
             index = part.get("index", 0)
-            choice = choices.setdefault(index, _empty_choice(route, index))
-            _merge_choice(route, choice, part)
-    out["object"] = "chat.completion" if route == Route.CHAT else "text_completion"
-    out["choices"] = [choices[i] for i in sorted(choices)]
-    return out
+            choice = self._choices.setdefault(index, _empty_choice(self._route, index))
+            _merge_choice(self._route, choice, part)
+
+    def result(self) -> Json:
+        """The response so far; its choices are the assembly's own (later chunks extend them)."""
+        out = dict(self._out)
+        out["object"] = "chat.completion" if self._route == Route.CHAT else "text_completion"
+        out["choices"] = [self._choices[i] for i in sorted(self._choices)]
+        return out
 
 
 def _empty_choice(route: str, index: int) -> Json:
@@ -205,3 +227,98 @@ def _usage(prompt_ids: Any, token_ids: Any) -> Json | None:
         "completion_tokens": len(token_ids),
         "total_tokens": len(prompt_ids) + len(token_ids),
     }
+
+
+_FINAL_RESPONSE_EVENTS = ("response.completed", "response.incomplete", "response.failed")
+
+
+class StreamTail:
+    """The token fields of a whole stream whose record keeps only its first bytes.
+
+    Fed every byte of the stream, from the first, once the record's copy is cut (never
+    before: an uncut stream costs nothing here). Each event is parsed as it completes and
+    only what `extract` reads is kept: token IDs, logprobs, finish reasons, usage, errors;
+    text, tool calls and alternative tokens are dropped. Memory grows with the tokens, not
+    the bytes. The Responses API carries its tokens only in the final event, which is kept
+    whole (it holds the answer once). Only complete events count (a stream sealed before
+    its last bytes is read again: `is_stale`).
+    """
+
+    def __init__(self, route: str) -> None:
+        self._route = route
+        self._parser = SseParser()
+        self._pieces: list[bytes] = []  # bytes of one line still without its end (a long final event)
+        self._assembly = _OpenAIAssembly(route) if route not in (Route.MESSAGES, Route.RESPONSES) else None
+        self._events: list[Json] = []  # `messages` and `responses`: the few events that carry token fields
+        self._read = 0  # events read
+        self._read_at_fields = -1
+
+    def feed(self, data: bytes) -> None:
+        if b"\n" not in data and b"\r" not in data:
+            # Joined once the line ends: the parser copies its pending bytes on every feed.
+            self._pieces.append(data)
+            return
+        if self._pieces:
+            data = b"".join([*self._pieces, data])
+            self._pieces.clear()
+        for event in self._parser.feed(data):
+            self._read += 1
+            value = _loads(event) if event != "[DONE]" else None
+            if isinstance(value, dict):
+                self._add(value)
+
+    def _add(self, event: Json) -> None:
+        if self._assembly is not None:
+            self._assembly.add(_token_part(self._route, event))
+        elif self._route == Route.MESSAGES:
+            kind = event.get("type")
+            if kind == "message_start" and isinstance(event.get("message"), dict):
+                message = {k: v for k, v in event["message"].items() if k != "content"}
+                self._events.append({"type": kind, "message": message})
+            elif kind == "message_delta" or kind == "error" or "error" in event:
+                self._events.append(event)
+        elif event.get("type") in _FINAL_RESPONSE_EVENTS or event.get("type") == "error" or (
+                "type" not in event and "error" in event):
+            self._events.append(event)
+
+    @property
+    def is_stale(self) -> bool:
+        """Whether events were read since `fields` last ran."""
+        return self._read != self._read_at_fields
+
+    def fields(self) -> Extract:
+        """The record's token fields from every complete event read so far."""
+        self._read_at_fields = self._read
+        if self._assembly is not None:
+            response = self._assembly.result()
+        elif self._route == Route.MESSAGES:
+            response = _assemble_messages(self._events)
+        else:
+            response = responses.assemble_stream(self._events)
+        fields = extract(self._route, response)
+        if fields.completion_token_ids is not None:  # the assembly's own list, which later chunks extend
+            fields.completion_token_ids = list(fields.completion_token_ids)
+        return fields
+
+
+def _token_part(route: str, chunk: Json) -> Json:
+    """What of a chat or completions chunk `extract` reads, in the chunk's shape."""
+    part: Json = {key: chunk[key] for key in ("prompt_token_ids", "usage", "error") if key in chunk}
+    if "choices" not in chunk:
+        return part
+    part["choices"] = []
+    for choice in chunk.get("choices") or ():
+        if not isinstance(choice, dict):
+            continue
+        kept = {key: choice[key] for key in ("index", "token_ids", "prompt_token_ids", "finish_reason", "stop_reason")
+                if key in choice}
+        logprobs = choice.get("logprobs")
+        if isinstance(logprobs, dict):
+            content = logprobs.get("content")
+            if route == Route.CHAT and isinstance(content, list):
+                kept["logprobs"] = {"content": [{"logprob": e.get("logprob") if isinstance(e, dict) else None}
+                                                for e in content]}
+            elif route != Route.CHAT:
+                kept["logprobs"] = {"token_logprobs": logprobs.get("token_logprobs")}
+        part["choices"].append(kept)
+    return part

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from opentelemetry.trace import Span
 
     from proxy.access import AgentKey
+    from proxy.assemble import Extract, StreamTail
     from proxy.balancer import ReplicaLease
 
 __all__ = ["CallState"]
@@ -64,6 +65,9 @@ class CallState:
     error: dict[str, Any] | None = None
     body: bytes = b""
     truncated: bool = False
+    # When `body` is cut (`truncated`): the token fields of the whole answer, read from all of a
+    # whole response at once, or from a stream as it passes.
+    whole: Extract | StreamTail | None = None
     request_body: bytes | None = None  # exactly what the client sent
     span: Span | None = None  # its trace span, when tracing is on
     agent: AgentKey | None = None  # the caller's key (None with open access)

@@ -31,7 +31,7 @@ from starlette.responses import Response
 from proxy import metrics
 from proxy.access import AgentKey, Slots
 from proxy.admission import Admission
-from proxy.assemble import assemble_stream, extract
+from proxy.assemble import StreamTail, assemble_stream, extract
 from proxy.balancer import Balancer, ReplicaState
 from proxy.call import CallState
 from proxy.cluster import Cluster
@@ -350,9 +350,11 @@ class Relay:
         return Response(body, status_code=upstream.status, media_type=content_type or None, headers=call.headers())
 
     def keep(self, call: CallState, body: bytes) -> None:
-        """Keep a whole response for the record, cut at `recorder.max_body_bytes` as streams are."""
+        """Keep a whole response for the record, cut at `recorder.max_body_bytes` as streams are;
+        the token fields of a cut one are read from all of it first."""
         if len(body) > self._max_body:
             call.body, call.truncated = body[:self._max_body], True
+            call.whole = extract(call.route, _parse_whole(body))
         else:
             call.body = body
 
@@ -383,8 +385,14 @@ class Relay:
             call.body, call.truncated = kept, truncated
             await self._seal(call)
 
+        def read_cut(data: bytes) -> None:
+            if not isinstance(call.whole, StreamTail):
+                call.whole = StreamTail(call.route)
+            call.whole.feed(data)
+
         return RelayStream(call, chunks, status_code=200, headers=headers, max_kept_bytes=self._max_body,
-                           close=close, on_source_error=on_source_error, seal=seal, finish=finish)
+                           close=close, on_source_error=on_source_error, seal=seal, finish=finish,
+                           read_cut=read_cut)
 
     async def models(self) -> Response:
         """The model list of a healthy replica, as it sent it (clients probe it at start)."""
@@ -421,8 +429,10 @@ class Relay:
     async def record(self, call: CallState) -> None:
         """Queue the call's record (journaled first, unless a stream sealed it already). Once per call."""
         record = call.sealed
-        if record is None or call.sealed_len != len(call.body) or call.status != record.status:
-            # Not sealed, or something happened after the seal (a late error event, a cut source).
+        if (record is None or call.sealed_len != len(call.body) or call.status != record.status
+                or (isinstance(call.whole, StreamTail) and call.whole.is_stale)):
+            # Not sealed, or something happened after the seal (a late error event, a cut source,
+            # events past the kept bytes).
             record = await self._seal(call)
         self._drain.call_ended()
         if call.replica_lease is not None:
@@ -465,7 +475,7 @@ class Relay:
             served_model=call.served_model,
             arrival=call.arrival,
         )
-        if call.body:
+        if call.body or call.whole is not None:  # a stream cut before its first kept byte has its token fields
             _fill_response(record, call)
         return record
 
@@ -476,17 +486,20 @@ def _storage_failed(reason: str) -> LocalStorageFailed:
 
 
 def _fill_response(record: CallRecord, call: CallState) -> None:
+    """The record's parsed response (of the bytes kept) and token fields (of the whole answer)."""
     if call.is_streaming and call.http_status == 200:
         parser = SseParser()
         events = parser.feed(call.body) + parser.close()
         response: Any = assemble_stream(call.route, events)
     else:
-        try:
-            response = loads_exact(call.body)
-        except ExactJsonError:
-            response = {"raw": call.body[:4096].decode("utf-8", "replace")}
-    record.response = response
-    fields = extract(call.route, response)
+        response = _parse_whole(call.body)
+    record.response = response if call.body else None
+    if isinstance(call.whole, StreamTail):
+        fields = call.whole.fields()
+    elif call.whole is not None:
+        fields = call.whole
+    else:
+        fields = extract(call.route, response)
     record.prompt_token_ids = fields.prompt_token_ids
     record.completion_token_ids = fields.completion_token_ids
     record.completion_logprobs = fields.completion_logprobs
@@ -497,8 +510,16 @@ def _fill_response(record: CallRecord, call: CallState) -> None:
         record.status = CallStatus.UPSTREAM_ERROR
         record.error = fields.error if isinstance(fields.error, dict) else {"message": str(fields.error)}
     elif record.status == CallStatus.UPSTREAM_ERROR and isinstance(response, dict):
-        error = response.get("error", response)
+        error = fields.error if fields.error is not None else response.get("error", response)
         record.error = error if isinstance(error, dict) else {"message": str(error)}
+
+
+def _parse_whole(body: bytes) -> Any:
+    """A whole (not streamed) response's JSON; a body that is not JSON (or was cut) as its first 4 KiB of text."""
+    try:
+        return loads_exact(body)
+    except ExactJsonError:
+        return {"raw": body[:4096].decode("utf-8", "replace")}
 
 
 def _wants_rollout_logprobs(settings: ProxySettings, rollout_id: str | None, attempt_id: str | None) -> bool:

@@ -46,6 +46,11 @@ class RelayStream(Response):
     `seal(kept, truncated)` runs before the stream's end reaches the client (before the
     terminal event, or the empty last body message): the call's record is journaled by the
     time the client can see the call complete, so a crash after that point loses nothing.
+
+    The record keeps the stream's first `max_kept_bytes`; once a chunk goes past them
+    (`truncated`), `read_cut` is given the whole stream, from its first byte (an event may
+    straddle the cut), chunk by chunk as it passes, so the record's token fields can still
+    be those of the whole answer. An uncut stream never calls it.
     """
 
     def __init__(
@@ -60,6 +65,7 @@ class RelayStream(Response):
         on_source_error: Callable[[BaseException], dict[str, object]],
         seal: Callable[[bytes, bool], Awaitable[None]],
         finish: Callable[[bytes, bool], Awaitable[None]],
+        read_cut: Callable[[bytes], None],
     ) -> None:
         self._call = call
         self._chunks = chunks
@@ -71,6 +77,7 @@ class RelayStream(Response):
         self._on_source_error = on_source_error
         self._seal = seal
         self._finish = finish
+        self._read_cut = read_cut
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         # Plain asyncio rather than an anyio task group: the group (scopes, task wrappers,
@@ -114,7 +121,11 @@ class RelayStream(Response):
                             kept.append(chunk)
                             kept_bytes += len(chunk)
                         else:
+                            if not truncated:
+                                for piece in kept:
+                                    self._read_cut(piece)
                             truncated = True
+                            self._read_cut(chunk)
                         if is_terminal(chunk):
                             # Clients hang up on the terminal event without waiting for the
                             # source to close: from here on, leaving is not a disconnect.

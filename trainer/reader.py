@@ -194,6 +194,7 @@ def _load_calls(conn: Conn, pks: list[int], by_pk: dict[int, AttemptRow]) -> Non
             cast(Call.response, Text).label("response"),
             Call.json_exact,
             Call.replica,
+            Call.response_truncated,
         )
         .join(Attempt, and_(Attempt.rollout_id == Call.rollout_id, Attempt.attempt_id == Call.attempt_id))
         .where(Attempt.id.in_(pks))
@@ -217,6 +218,7 @@ def _load_calls(conn: Conn, pks: list[int], by_pk: dict[int, AttemptRow]) -> Non
                 request=exact["request"],
                 response=exact["response"],
                 replica=row.replica,
+                response_truncated=bool(row.response_truncated),
                 rollout_id=attempt.rollout_id,
                 attempt_id=attempt.attempt_id,
             )

@@ -30,6 +30,7 @@ class CallRow:
     request: Any = None
     response: Any = None
     replica: str | None = None  # "litellm:<model>" for a hosted model
+    response_truncated: bool = False  # the stored response was cut at `proxy.recorder.max_body_bytes`
     rollout_id: str = ""
     attempt_id: str = ""
 

@@ -4,8 +4,8 @@ This module owns the SFT view of an attempt. Each `chat/completions` or `message
 contributes its request messages plus the reply it got. Calls whose conversation
 continues the previous one (its messages start with the previous call's messages and
 reply) extend one example, so a multi-turn attempt gives one example per unbroken
-conversation, not one per call. `completions` (raw text) calls and calls that are not
-`ok` are skipped.
+conversation, not one per call. `completions` (raw text) calls, calls that are not
+`ok` and calls whose stored response was cut (`response_truncated`: the reply is cut) are skipped.
 
 Output rows follow OpenAI's fine-tuning format: `{"messages": [...], "tools": [...]}`.
 Assistant messages the attempt did not generate (history the agent wrote itself, e.g.
@@ -59,7 +59,7 @@ def attempt_examples(attempt: AttemptRow) -> list[dict[str, Any]]:
     chains: list[tuple[list[dict[str, Any]], Any]] = []  # (messages, tools)
     generated: set[str] = set()
     for call in sorted(attempt.calls, key=lambda c: c.seq):
-        if call.status != "ok":
+        if call.status != "ok" or call.response_truncated:
             continue
         messages = msgs.chat_messages(call.route, call.request)
         reply = msgs.reply_message(call.route, call.response)

@@ -37,6 +37,8 @@ class DropReason(StrEnum):
     PROMPT_TOO_LONG = "prompt_too_long"  # a new triplet's prompt over `max_prompt_len`
     RESPONSE_TOO_LONG = "response_too_long"  # one completion over `max_response_len`
     TRUNCATED = "truncated"  # finish_reason "length" and `drop_truncated` is on
+    # The stored response was cut (`proxy.recorder.max_body_bytes`) and its token IDs may stop at the cut.
+    RESPONSE_TRUNCATED = "response_truncated"
     # A call of the attempt was cut by a proxy crash or shutdown (`interrupted`): the trajectory
     # has a hole, so none of the attempt's calls is used.
     INCOMPLETE_ATTEMPT = "incomplete_attempt"
@@ -211,6 +213,24 @@ def _precheck(call: CallRow, limits: BuildLimits) -> tuple[DropReason, str | Non
     return None
 
 
+def _cut_tokens(call: CallRow) -> str | None:
+    """Why a call whose stored response was cut cannot be trusted to have all its tokens; None if it can.
+
+    A proxy reads a cut response's token fields from the whole answer, finish reason included.
+    Records cut by older proxies read them from the kept part only: a cut whole response has
+    none, a cut stream those before the cut. What was kept is a prefix of what the replica
+    sent, and a finish reason comes after the tokens it ends, so a cut record with token IDs
+    and a finish reason has them all. Re-tokenising is no way out: the text is cut too.
+    """
+    if not call.response_truncated:
+        return None
+    if call.prompt_token_ids is None or call.completion_token_ids is None:
+        return "response cut at proxy.recorder.max_body_bytes and recorded without token IDs"
+    if call.finish_reason is None:
+        return "response cut at proxy.recorder.max_body_bytes before its end: its token IDs may stop at the cut"
+    return None
+
+
 def _check(call: CallRow, toks: _Tokens, limits: BuildLimits) -> tuple[DropReason, str | None] | None:
     if not toks.completion:
         return DropReason.EMPTY_COMPLETION, None
@@ -264,6 +284,10 @@ def build_triplets(
         early = _precheck(call, limits)
         if early is not None:
             drop(call, *early)
+            continue
+        partial = _cut_tokens(call)
+        if partial is not None:
+            drop(call, DropReason.RESPONSE_TRUNCATED, partial)
             continue
         temperature = call_sampling(call.request).temperature
         toks = _tokens(call, tokenizer)

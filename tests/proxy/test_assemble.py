@@ -15,7 +15,7 @@ from typing import Any
 import orjson
 import pytest
 
-from proxy.assemble import assemble_stream, extract
+from proxy.assemble import StreamTail, assemble_stream, extract
 from proxy.sse import iter_data
 from shared.types import Route
 
@@ -98,6 +98,34 @@ def test_openai_stream_assembles_to_its_twin(streamed: str, whole: str) -> None:
     assert a.usage is not None and b.usage is not None
     for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
         assert a.usage[key] == b.usage[key], key  # from the stream's usage chunk, or counted from the ids
+
+
+@pytest.mark.parametrize("streamed", [s for s, _ in OPENAI_PAIRS] + ["messages_stream"])
+@pytest.mark.parametrize("step", [1, 7, 1 << 20])
+def test_stream_tail_reads_the_fields_of_the_whole_stream(streamed: str, step: int) -> None:
+    # A stream cut for storage is read by a `StreamTail` in whatever pieces it arrives: its
+    # fields are those of the whole stream assembled at once (one byte at a time splits every
+    # event, CRLF and multi-byte character).
+    route = _route(streamed)
+    raw = (DATA / INDEX[streamed]["file"]).read_bytes()
+    tail = StreamTail(route)
+    for i in range(0, len(raw), step):
+        tail.feed(raw[i:i + step])
+    fields = tail.fields()
+    assert fields == extract(route, assemble_stream(route, list(iter_data(raw))))
+    assert fields.finish_reason is not None and not tail.is_stale
+    if route != Route.MESSAGES:  # vLLM's Anthropic route returns no token IDs
+        assert fields.completion_token_ids and fields.completion_logprobs
+
+
+def test_stream_tail_keeps_no_text() -> None:
+    # Only what the token fields need is kept: the text of a cut stream is not held twice.
+    raw = (DATA / INDEX["chat_stream"]["file"]).read_bytes()
+    tail = StreamTail(Route.CHAT)
+    tail.feed(raw)
+    kept = orjson.dumps(tail._assembly.result() if tail._assembly else None)
+    assert assemble_stream(Route.CHAT, _stream("chat_stream"))["choices"][0]["message"]["content"]
+    assert b'"content":""' in kept and b'"token"' not in kept and b'"top_logprobs"' not in kept
 
 
 def test_eos_is_kept_in_token_ids() -> None:

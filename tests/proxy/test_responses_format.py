@@ -6,7 +6,7 @@ from typing import Any
 
 import orjson
 
-from proxy.assemble import assemble_stream, extract
+from proxy.assemble import StreamTail, assemble_stream, extract
 from proxy.responses import ask_for_tokens
 from proxy.stream import is_terminal
 
@@ -59,3 +59,26 @@ def test_a_cut_stream_keeps_its_text_and_a_tool_call_leaves_logprobs_unknown() -
     fields = extract("responses", called)
     assert fields.completion_token_ids == [7, 8] and fields.completion_logprobs is None
     assert fields.finish_reason == "tool_calls"
+
+
+def test_stream_tail_reads_the_final_event_once_it_is_whole() -> None:
+    # A cut Responses stream is sealed when a chunk shows its final event's type, which may be
+    # before the rest of that event (it carries the whole answer) arrived: the tail then says
+    # it is stale, and the record is built again from the whole event.
+    events = [{"type": "response.created", "response": {"id": "resp_1", "status": "in_progress"}},
+              *({"type": "response.output_text.delta", "output_index": 0, "content_index": 0, "delta": c,
+                 "logprobs": [{"token": c, "logprob": -0.5}]} for c in "ab"),
+              {"type": "response.completed", "response": _final()}]
+    raw = b"".join(b"event: " + e["type"].encode() + b"\ndata: " + orjson.dumps(e) + b"\n\n" for e in events)
+    split = raw.index(b'"response.completed"') + 40
+    assert is_terminal(raw[:split]) and not raw[:split].endswith(b"\n\n")
+    tail = StreamTail("responses")
+    tail.feed(raw[:split])
+    early = tail.fields()
+    assert early.completion_token_ids is None and not tail.is_stale
+    for i in range(split, len(raw), 16):
+        tail.feed(raw[i:i + 16])
+    assert tail.is_stale
+    fields = tail.fields()
+    assert fields == extract("responses", _final()) and fields.completion_token_ids == [7, 8]
+    assert fields.completion_logprobs == [-0.5, -0.25] and fields.finish_reason == "stop" and not tail.is_stale

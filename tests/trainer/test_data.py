@@ -12,6 +12,7 @@ import pytest
 from shared.settings import TrainerSettings
 from tests.trainer.conftest import Db, tokens_call
 from trainer.data import read_samples
+from trainer.drops import drop_counts
 from trainer.export import export_triplets
 
 GRPO_2 = 0.5 / (math.sqrt(0.5) + 1e-6)
@@ -94,3 +95,18 @@ def test_staleness_gate_off_reads_old_versions_and_bounds_them_per_call(db: Db) 
     bounded = read_samples(db.engine, TrainerSettings(group_size=2, staleness_gate=False, off_policy_max_lag=2))
     assert {s.group_id for s in bounded.samples} == {"recent"}
     assert bounded.skipped == {"old": "no_triplets"} and bounded.drop_counts() == {"too_stale": 2}
+
+
+def test_a_cut_response_without_all_its_tokens_is_dropped_and_reported(db: Db) -> None:
+    # As an older proxy recorded a stream cut at recorder.max_body_bytes: the tokens before the
+    # cut, no finish reason. Dropped with its reason, stored in call_drops, counted by `stats`.
+    cut = {**tokens_call([1, 2], [3, 4]), "response_truncated": True, "finish_reason": None}
+    whole = {**tokens_call([1, 2], [3, 4]), "response_truncated": True}  # the token fields of all of it
+    db.attempt("cut", "0", reward=1.0, calls=[cut], finished_ago_s=1.0)
+    db.attempt("cut", "1", reward=0.0, calls=[whole], finished_ago_s=1.0)
+    data = read_samples(db.engine, TrainerSettings(group_size=2))
+    assert [(s.attempt_id, s.triplet.response_ids) for s in data.samples] == [("1", [3, 4])]
+    assert data.drop_counts() == {"response_truncated": 1}
+    assert data.drops[0].detail is not None and "max_body_bytes" in data.drops[0].detail
+    with db.engine.connect() as conn:
+        assert drop_counts(conn) == {"response_truncated": 1}

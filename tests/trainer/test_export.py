@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,8 @@ from tests.trainer.conftest import Db, tokens_call
 from trainer.data import read_samples
 from trainer.export import export_triplets
 from trainer.main import main
-from trainer.sft import export_sft
+from trainer.records import AttemptRow, CallRow
+from trainer.sft import attempt_examples, export_sft
 
 QUESTION = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 7 + 5?"}]
 REPLY_1 = "The answer is 12."
@@ -151,6 +153,18 @@ def test_sft_export_jsonl(db: Db, tiny_tokenizer: Any, tmp_path: Path) -> None:
     assert rows[2]["messages"][-1] == {"role": "assistant", "content": "12", "weight": 1}
     assert len(read_jsonl(export_sft(db.engine, tmp_path / "f.jsonl", include_failed=True).path)) == 4
     assert len(read_jsonl(export_sft(db.engine, tmp_path / "m.jsonl", min_reward=0.5).path)) == 1
+
+
+def test_sft_skips_a_call_whose_reply_was_cut() -> None:
+    # A stream cut at proxy.recorder.max_body_bytes keeps the start of the reply in `response`.
+    def attempt(*, is_cut: bool) -> AttemptRow:
+        call = CallRow("c0", 0, "chat/completions", "ok", [1], [2], None, request={"messages": QUESTION},
+                       response={"choices": [{"message": {"role": "assistant", "content": "1"}}]},
+                       response_truncated=is_cut)
+        return AttemptRow(1, "r", "0", "r", "succeeded", 0, datetime.now(UTC), calls=[call])
+
+    assert attempt_examples(attempt(is_cut=True)) == []
+    assert attempt_examples(attempt(is_cut=False)) == [{"messages": [*QUESTION, {"role": "assistant", "content": "1"}]}]
 
 
 def test_verl_multiturn_sft_dataset_reads_the_sft_parquet(db: Db, tiny_tokenizer: Any, tmp_path: Path) -> None:

@@ -166,6 +166,24 @@ def test_each_drop_reason() -> None:
     assert all(d.detail is None or isinstance(d.detail, str) for d in drops)
 
 
+def test_a_cut_response_is_used_only_with_all_its_tokens() -> None:
+    # `response_truncated`: the stored body was cut at proxy.recorder.max_body_bytes. A record
+    # with token IDs and a finish reason has them all (the proxy reads them from the whole
+    # answer; an older proxy's kept prefix reached the end); anything else may stop at the cut.
+    calls = [
+        call(0, [1], [2, 3], response_truncated=True),  # token fields of the whole answer: used
+        call(1, [9], [], prompt_token_ids=None, completion_token_ids=None, completion_logprobs=None,
+             finish_reason=None, response_truncated=True),  # an older proxy's cut whole response
+        call(2, [9], [10], finish_reason=None, response_truncated=True),  # an older proxy's cut stream
+        call(3, [1, 2, 3, 4], [5], finish_reason=None),  # not cut: no finish reason is no reason to drop
+    ]
+    triplets, drops = build_triplets(calls)
+    assert [t.call_ids for t in triplets] == [["c0", "c3"]]
+    assert [(d.call_id, d.reason) for d in drops] == [("c1", DropReason.RESPONSE_TRUNCATED),
+                                                      ("c2", DropReason.RESPONSE_TRUNCATED)]
+    assert "without token IDs" in (drops[0].detail or "") and "before its end" in (drops[1].detail or "")
+
+
 def test_truncated_kept_unless_configured() -> None:
     triplets, drops = build_triplets([call(0, [1], [2], finish_reason="length")])
     assert len(triplets) == 1 and not drops
