@@ -1,6 +1,6 @@
 """`rolltap-proxy`: command line, logging, migrations, then uvicorn.
 
-    rolltap-proxy --replica URL [--replica URL ...] --db URL --host H --port P [--workers N]
+    rolltap-proxy [serve] --replica URL [--replica URL ...] --db URL --host H --port P [--workers N]
     rolltap-proxy keys create|list|revoke ...      (agent keys; see `proxy.keystore`)
     rolltap-proxy spool list|replay [--spool-dir D] [--db URL]   (see proxy/spool_cli.py)
 
@@ -45,8 +45,17 @@ from shared.settings import Settings
 __all__ = ["DrainingServer", "main", "parse_settings"]
 
 
+_SUBCOMMANDS = """subcommands:
+  serve [flags]          run the proxy (the default: `rolltap-proxy [flags]` is the same)
+  keys create|list|revoke  agent keys in the database (`rolltap-proxy keys --help`)
+  spool list|replay      records the database refused, waiting on disk (`rolltap-proxy spool --help`)
+"""
+
+
 def parse_settings(argv: list[str] | None = None) -> Settings:
-    parser = argparse.ArgumentParser(prog="rolltap-proxy", description="Rolltap tracing proxy for vLLM replicas")
+    parser = argparse.ArgumentParser(
+        prog="rolltap-proxy", description="Rolltap tracing proxy for vLLM replicas",
+        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_SUBCOMMANDS)
     parser.add_argument("--replica", action="append", dest="replicas", metavar="URL",
                         help="vLLM replica base URL (repeatable); env ROLLTAP_PROXY__REPLICAS")
     parser.add_argument("--db", metavar="URL", help="database URL; env ROLLTAP_DB__URL (default sqlite:///./rolltap.db)")
@@ -108,6 +117,8 @@ class DrainingServer(uvicorn.Server):
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve"]:
+        argv = argv[1:]
     if argv[:1] == ["keys"]:
         raise SystemExit(keys_cli(argv[1:]))
     if argv[:1] == ["spool"]:

@@ -21,6 +21,7 @@ from sqlalchemy import create_engine, text
 
 from shared.db.engine import sync_url
 from shared.settings import ProxySettings
+from tests.support.proxy_process import ROOT
 from tests.support.servers import free_port
 
 SCRIPT = Path(sys.executable).parent / "rolltap-proxy"
@@ -271,3 +272,14 @@ def test_idle_client_connections_outlive_the_clients_pools(replica: str, tmp_pat
         assert _get_healthz(sock).startswith(b"HTTP/1.1 200")
         time.sleep(3.0)  # idle for longer: the proxy has closed it
         assert sock.recv(65536) == b""
+
+
+def test_help_lists_the_subcommands() -> None:
+    """A new user's `rolltap-proxy --help` names every subcommand with a line each; `serve` is the default."""
+    shown = subprocess.run([sys.executable, "-m", "proxy.main", "--help"], capture_output=True, text=True,
+                           cwd=ROOT, check=True).stdout
+    listed = {line.split()[0] for line in shown.split("subcommands:", 1)[1].splitlines() if line.strip()}
+    assert listed == {"serve", "keys", "spool"}
+    explicit = subprocess.run([sys.executable, "-m", "proxy.main", "serve", "--help"], capture_output=True,
+                              text=True, cwd=ROOT, check=True).stdout
+    assert explicit == shown
