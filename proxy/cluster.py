@@ -103,7 +103,6 @@ class Cluster:
         self.stale_s = min(2 * settings.heartbeat_s, settings.lease_s / 2)
         self.unleased: set[str] = set()  # calls sent upstream without a lease row, not yet committed
         self._replicas_kick = asyncio.Event()
-        self.reaped_total = 0
         balancer.eject_hold_s = settings.eject_hold_s
         balancer.on_health_change = self._replicas_kick.set
 
@@ -390,7 +389,6 @@ class Cluster:
             now = datetime.now(UTC)
             records = [_interrupted(lease, now) for lease in leases]
             written = await store.write_calls(conn, records, skip_existing=True, release_leases=True)
-        self.reaped_total += written
         logger.warning("cluster: %d call(s) in flight on dead proxies %s recorded as interrupted", written,
                        ", ".join(sorted({str(lease["proxy_id"]) for lease in leases})))
 
