@@ -145,6 +145,20 @@ class Journal:
             self.error = None
         return result
 
+    def probe(self) -> None:
+        """While failing: try a page-sized write (then take it back), so readiness sees the disk has room
+        again without waiting for a call. A smaller probe could fit in a page the disk already gave us."""
+        if self.error is None:
+            return
+        if self._fd < 0:
+            with contextlib.suppress(OSError):
+                self.open()
+            return
+        with contextlib.suppress(OSError):
+            self._guard(_write_all, self._fd, b"\n" * 4096)
+        with contextlib.suppress(OSError):
+            os.ftruncate(self._fd, self._size)
+
     def _append(self, line: bytes) -> None:
         try:
             self._guard(_write_all, self._fd, line)

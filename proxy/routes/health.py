@@ -37,6 +37,8 @@ async def _database_ok(request: Request) -> bool:
 
 def _local_storage_error(request: Request) -> str | None:
     journal = request.app.state.journal
+    if journal is not None:
+        journal.probe()  # once the disk has room again, say so without waiting for a call
     error: str | None = request.app.state.recorder.local_storage_error
     return error or (f"journal: {journal.error}" if journal is not None and journal.error else None)
 

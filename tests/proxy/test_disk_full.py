@@ -133,10 +133,10 @@ def test_disk_full_under_streams(db_url: str, tmp_path: Path, disk: SmallDisk) -
             _assert_complete(_records(db_url), streams)
 
             disk.free()
+            assert http.get(f"{proxy.url}/readyz").json()["status"] == "ready"  # before any call probes it
             again = http.post(f"{proxy.base_url('disk-after', '0')}/chat/completions",
                               json={"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 1})
             assert again.status_code == 200
-            assert http.get(f"{proxy.url}/readyz").json()["status"] == "ready"
 
 
 @pytest.mark.parametrize("space_first", [True, False], ids=["space-then-db", "db-then-space"])
@@ -201,6 +201,6 @@ def test_a_proxy_started_on_a_full_disk_serves_once_it_has_room(tmp_path: Path, 
             _assert_507(refused)
             assert http.get(f"{proxy.url}/readyz").json()["status"] == "degraded"
             disk.free()
+            assert http.get(f"{proxy.url}/readyz").json()["status"] == "ready"  # the journal opened by the probe
             served = http.post(f"{proxy.base_url('full', '1')}/chat/completions", json=body)
             assert served.status_code == 200, served.text
-            assert http.get(f"{proxy.url}/readyz").json()["status"] == "ready"
