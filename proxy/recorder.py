@@ -130,8 +130,7 @@ class Recorder:
         self._spool = Spool(settings.spool_dir)
         self._task: asyncio.Task[None] | None = None
         self._next_retry = 0.0
-        self.is_db_healthy = True
-        self._outage = asyncio.Event()  # set while `is_db_healthy` is False: wakes `finish` barriers
+        self._outage = asyncio.Event()  # set while the database is unreachable: wakes `finish` barriers
         self._has_spool = False
         # Records neither the database nor the disk took (an outage on a full disk), oldest first:
         # kept here, retried every `retry_interval_s`, and new calls are refused meanwhile.
@@ -206,6 +205,10 @@ class Recorder:
     @property
     def queue_depth(self) -> int:
         return self._queue.qsize()
+
+    @property
+    def is_db_healthy(self) -> bool:
+        return not self._outage.is_set()
 
     @property
     def local_storage_error(self) -> str | None:
@@ -448,22 +451,21 @@ class Recorder:
     def _on_outage(self, exc: BaseException) -> None:
         if self.is_db_healthy:
             logger.error("recorder: database unreachable (%s); spooling to %s", exc, self._spool.directory)
-        self.is_db_healthy = False
         self._outage.set()
         self._next_retry = time.monotonic() + self._settings.retry_interval_s
 
     def _mark_healthy(self) -> None:
         if not self.is_db_healthy:
             logger.info("recorder: database reachable again")
-        self.is_db_healthy = True
         self._outage.clear()
 
     async def _replay_spool(self) -> bool:
         """Write spooled batches back in order, then those held in memory. True when none is left."""
         if time.monotonic() < self._next_retry:
             return False
-        while self._dead_held and self._keep_dead(*self._dead_held[0]):
-            self._dead_held.pop(0)
+        waiting, self._dead_held = self._dead_held, []
+        for record, reason in waiting:
+            self._keep_dead(record, reason)  # back on the list, once, if the disk still refuses it
         for path in self._spool.files():
             records = Spool.read(path)
             try:
