@@ -1,7 +1,9 @@
-"""One call while it runs: what is known about it, and the ids it is given; it becomes its `CallRecord`.
+"""One call while it runs: what is known about it, changed only through its transitions; it seals into its `CallRecord`.
 
-Kept apart from the relay so that what serves a call (the relay, hosted models) shares this
-type without importing one another.
+Kept apart from the relay so that what serves a call (the relay, `RelayStream`) shares this
+type without importing one another. Every change that alters what the record would say
+marks the call `dirty`; `seal()` builds the record and clears it, so whether a record must
+be built again is a flag, not a guess.
 """
 
 from __future__ import annotations
@@ -11,20 +13,24 @@ import itertools
 import os
 import time
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
-from shared.errors import RolltapError
+import orjson
+
+from proxy.assemble import Extract, StreamTail, assemble_stream, extract
+from proxy.sse import SseParser
+from shared.errors import RolltapError, UpstreamTimeout, UpstreamUnavailable
 from shared.types import CallRecord, CallStatus
+from shared.verbatim import ExactJsonError, loads_exact
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Span
 
     from proxy.access import AgentKey
-    from proxy.assemble import Extract, StreamTail
     from proxy.balancer import ReplicaLease
 
-__all__ = ["CallState"]
+__all__ = ["CallState", "parse_whole"]
 
 _arrivals = itertools.count()
 # Call ids: 64 random bits per process, then a counter: unique across proxies sharing a
@@ -43,11 +49,17 @@ os.register_at_fork(after_in_child=_new_call_prefix)
 
 @dataclass(slots=True)
 class CallState:
-    """What is known about one call while it runs; becomes its `CallRecord`."""
+    """What is known about one call while it runs; `seal()` makes it a `CallRecord`.
+
+    The request side (`request`, `requested_model`, ...) is filled once by the relay's parse;
+    everything that happens after (answered, kept bytes, failures, the client leaving) goes
+    through a method below, each of which marks the call `dirty`.
+    """
 
     route: str
     rollout_id: str | None
     attempt_id: str | None
+    max_kept: int  # bytes of the response the record keeps (`recorder.max_body_bytes`)
     call_id: str = field(default_factory=lambda: f"{_CALL_PREFIX}{next(_call_numbers):016x}")
     started_at: datetime = field(default_factory=lambda: datetime.now(UTC))
     t0: float = field(default_factory=time.perf_counter)
@@ -63,30 +75,100 @@ class CallState:
     status: str = CallStatus.OK
     http_status: int | None = None
     error: dict[str, Any] | None = None
-    body: bytes = b""
     truncated: bool = False
-    # When `body` is cut (`truncated`): the token fields of the whole answer, read from all of a
-    # whole response at once, or from a stream as it passes.
+    # When the kept body is cut (`truncated`): the token fields of the whole answer, read from all
+    # of a whole response at once, or from a stream as it passes.
     whole: Extract | StreamTail | None = None
     request_body: bytes | None = None  # exactly what the client sent
     span: Span | None = None  # its trace span, when tracing is on
     agent: AgentKey | None = None  # the caller's key (None with open access)
     has_slot: bool = False  # counted in `Slots` until recorded
     has_left: bool = False  # the client disconnected before the end
-    sealed: CallRecord | None = None  # the record journaled before the stream's last byte
-    sealed_len: int = 0  # bytes of body the sealed record was built from
+    source_failed: bool = False  # the replica failed after its headers: ejected when the call is recorded
     lease: asyncio.Future[bool] | None = None  # its `call_leases` row being written (`proxy.cluster`)
     replica_lease: ReplicaLease | None = None  # its place on the replica that answers, until recorded
+    sealed: CallRecord | None = None  # the record last built, journaled before the end reached the client
+    dirty: bool = True  # something changed since `sealed` was built
+    _kept: list[bytes] = field(default_factory=list)  # the response's bytes the record keeps
+    _kept_bytes: int = 0
 
     @property
     def key(self) -> tuple[str, str] | None:
         return (self.rollout_id, self.attempt_id) if self.rollout_id and self.attempt_id else None
+
+    # -- transitions ------------------------------------------------------------------------------
 
     def fail(self, status: str, error: RolltapError | dict[str, Any], http_status: int | None = None) -> None:
         self.status = status
         self.error = error.body()["error"] if isinstance(error, RolltapError) else error
         if http_status is not None:
             self.http_status = http_status
+        self.dirty = True
+
+    def client_left(self, before: str) -> None:
+        """The client disconnected `before` (what it did not wait for)."""
+        self.fail(CallStatus.CLIENT_DISCONNECTED, {"message": f"client disconnected before {before}",
+                                                   "type": "client_disconnected"})
+        self.has_left = True
+
+    def interrupted(self, what: str) -> None:
+        """The proxy shut down before `what` ended."""
+        self.fail(CallStatus.INTERRUPTED, {"message": f"the proxy shut down before {what} ended",
+                                           "type": "interrupted", "code": "proxy_shutdown"})
+
+    def answered(self, http_status: int, sent_at: float) -> None:
+        """The replica's status line and headers arrived (its first bytes), `sent_at` after the request left."""
+        self.t_first_byte = time.perf_counter()
+        self.upstream_s += self.t_first_byte - sent_at
+        self.http_status = http_status
+        self.dirty = True
+
+    def keep_whole(self, body: bytes) -> None:
+        """The whole final response, kept up to `max_kept`; the token fields of a cut one are read from all
+        of it first. An error status makes the call `upstream_error` (the body says which)."""
+        if self.http_status is not None and self.http_status >= 400:
+            self.status = CallStatus.UPSTREAM_ERROR
+        if len(body) > self.max_kept:
+            self._kept, self._kept_bytes, self.truncated = [body[:self.max_kept]], self.max_kept, True
+            self.whole = extract(self.route, parse_whole(body))
+        else:
+            self._kept, self._kept_bytes = [body], len(body)
+        self.dirty = True
+
+    def keep_chunk(self, chunk: bytes) -> None:
+        """One chunk of a stream. Past `max_kept` the record's copy is cut, and a `StreamTail` reads the
+        whole stream from its first byte (an event may straddle the cut) for the token fields."""
+        self.dirty = True
+        if not self.truncated:
+            if self._kept_bytes + len(chunk) <= self.max_kept:
+                self._kept.append(chunk)
+                self._kept_bytes += len(chunk)
+                return
+            self.truncated = True
+            self.whole = StreamTail(self.route)
+            for piece in self._kept:
+                self.whole.feed(piece)
+        assert isinstance(self.whole, StreamTail)
+        self.whole.feed(chunk)
+
+    def stream_failed(self, error: RolltapError) -> bytes:
+        """The stream's source failed: the call is `failed`, and the final error event the client
+        gets (and the record keeps, when not cut) is returned."""
+        body = error.body()["error"]
+        self.fail(CallStatus.FAILED, body)
+        self.source_failed = isinstance(error, (UpstreamUnavailable, UpstreamTimeout))  # not a bug of ours
+        event = b"data: " + orjson.dumps({"error": body}) + b"\n\n"
+        if not self.truncated:
+            self._kept.append(event)  # the record keeps the bytes the client got, this event too
+        return event
+
+    def seal(self) -> CallRecord:
+        """The record of what the call left so far; clean until the next transition."""
+        self.sealed = record = self._build()
+        self.dirty = False
+        return record
+
+    # -- the answer's headers and the record -------------------------------------------------------
 
     def headers(self) -> dict[str, str]:
         overhead_ms = (time.perf_counter() - self.t0 - self.upstream_s) * 1000
@@ -94,3 +176,68 @@ class CallState:
         if self.policy_version is not None:
             headers["x-rolltap-policy-version"] = str(self.policy_version)
         return headers
+
+    def _build(self) -> CallRecord:
+        ended = time.perf_counter()
+        body = self._kept[0] if len(self._kept) == 1 else b"".join(self._kept)
+        record = CallRecord(
+            call_id=self.call_id,
+            rollout_id=self.rollout_id,
+            attempt_id=self.attempt_id,
+            route=self.route,
+            is_streaming=self.is_streaming,
+            status=self.status,
+            started_at=self.started_at,
+            ended_at=self.started_at + timedelta(seconds=ended - self.t0),
+            first_byte_at=(self.started_at + timedelta(seconds=self.t_first_byte - self.t0))
+            if self.t_first_byte is not None else None,
+            http_status=self.http_status,
+            error=self.error,
+            request=self.request,
+            response_truncated=self.truncated,
+            request_body=self.request_body,
+            response_body=body or None,
+            replica=self.replica,
+            policy_version=self.policy_version,
+            requested_model=self.requested_model,
+            served_model=self.served_model,
+            arrival=self.arrival,
+        )
+        if body or self.whole is not None:  # a stream cut before its first kept byte has its token fields
+            self._fill_response(record, body)
+        return record
+
+    def _fill_response(self, record: CallRecord, body: bytes) -> None:
+        """The record's parsed response (of the bytes kept) and token fields (of the whole answer)."""
+        if self.is_streaming and self.http_status == 200:
+            parser = SseParser()
+            response: Any = assemble_stream(self.route, parser.feed(body) + parser.close())
+        else:
+            response = parse_whole(body)
+        record.response = response if body else None
+        if isinstance(self.whole, StreamTail):
+            fields = self.whole.fields()
+        elif self.whole is not None:
+            fields = self.whole
+        else:
+            fields = extract(self.route, response)
+        record.prompt_token_ids = fields.prompt_token_ids
+        record.completion_token_ids = fields.completion_token_ids
+        record.completion_logprobs = fields.completion_logprobs
+        record.finish_reason = fields.finish_reason
+        record.usage = fields.usage
+        if fields.error is not None and record.status == CallStatus.OK:
+            # The replica reported an error inside a 200 stream.
+            record.status = CallStatus.UPSTREAM_ERROR
+            record.error = fields.error if isinstance(fields.error, dict) else {"message": str(fields.error)}
+        elif record.status == CallStatus.UPSTREAM_ERROR and isinstance(response, dict):
+            error = fields.error if fields.error is not None else response.get("error", response)
+            record.error = error if isinstance(error, dict) else {"message": str(error)}
+
+
+def parse_whole(body: bytes) -> Any:
+    """A whole (not streamed) response's JSON; a body that is not JSON (or was cut) as its first 4 KiB of text."""
+    try:
+        return loads_exact(body)
+    except ExactJsonError:
+        return {"raw": body[:4096].decode("utf-8", "replace")}

@@ -2,7 +2,8 @@
 
 Configured with a LiteLLM `model_list` (`proxy.litellm_config`, a YAML file). A call whose
 `model` names one of them goes through the Router instead of a vLLM replica and is
-recorded the same way, without token IDs where the provider gives none (the trainer
+recorded the same way (`HostedModels.post` answers an `UpstreamResponse`, as a replica
+does), without token IDs where the provider gives none (the trainer
 re-tokenises such records and flags them). litellm is imported only here, and only when
 such models are configured: the import costs seconds and the proxy does not need it.
 """
@@ -11,39 +12,21 @@ from __future__ import annotations
 
 import logging
 import re
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import orjson
-from starlette.responses import Response
 
-from proxy.call import CallState
+from proxy.upstream import UpstreamResponse
 from shared.errors import InvalidRequest, NotFound, RolltapError, UpstreamTimeout, UpstreamUnavailable
-from shared.types import CallStatus, Route
+from shared.types import Route
 
-__all__ = ["HostedModels", "Relay", "load_hosted"]
+__all__ = ["HostedModels", "load_hosted"]
 
 logger = logging.getLogger(__name__)
 
 _MODEL_FIELD = re.compile(rb'"model"\s*:\s*"((?:[^"\\]|\\.)*)"')
-
-
-class Relay(Protocol):
-    """What a hosted call uses of `proxy.relay.Relay` (which imports this module, not the reverse)."""
-
-    def parse(self, call: CallState, raw: bytes, *, rewrite: bool) -> dict[str, Any]: ...
-
-    def trace_headers(self, call: CallState) -> dict[str, str]: ...
-
-    def keep(self, call: CallState, body: bytes) -> None: ...
-
-    async def record(self, call: CallState) -> None: ...
-
-    def stream_response(self, call: CallState, chunks: AsyncIterator[bytes], content_type: str, *,
-                        close: Callable[[], None], on_source_error: Callable[[BaseException], dict[str, object]],
-                        finish: Callable[[bytes, bool], Awaitable[None]]) -> Response: ...
 
 
 def load_hosted(config_path: Path | None) -> HostedModels | None:
@@ -76,12 +59,11 @@ class HostedModels:
         name = orjson.loads(b'"' + match.group(1) + b'"')
         return name if name in self.names else None
 
-    async def handle(self, relay: Relay, call: CallState, route: str, raw: bytes, model: str) -> Response:
-        body = relay.parse(call, raw, rewrite=False)
-        call.replica = f"litellm:{model}"
+    async def post(self, model: str, route: str, body: dict[str, Any], trace_headers: dict[str, str]) -> UpstreamResponse:
+        """Ask `model` through the Router; answers like a replica does (`proxy.upstream`), errors mapped here."""
         kwargs = {k: v for k, v in body.items() if k not in ("stream_options", "return_token_ids")}
-        if trace := relay.trace_headers(call):
-            kwargs["extra_headers"] = {**(kwargs.get("extra_headers") or {}), **trace}
+        if trace_headers:
+            kwargs["extra_headers"] = {**(kwargs.get("extra_headers") or {}), **trace_headers}
         try:
             if route == Route.CHAT:
                 result = await self._router.acompletion(**kwargs)
@@ -93,29 +75,27 @@ class HostedModels:
             raise
         except Exception as exc:  # noqa: BLE001 - mapped to our error tree here, once
             raise _map_error(exc) from exc
-        call.t_first_byte = time.perf_counter()
-        call.http_status = 200
-        if not call.is_streaming:
-            content = orjson.dumps(result.model_dump(exclude_none=True))
-            relay.keep(call, content)  # the record's copy is cut at recorder.max_body_bytes; the client gets all
-            return Response(content, media_type="application/json", headers=call.headers())
+        return _HostedResponse(result, is_stream=bool(body.get("stream")))
 
-        async def chunks() -> AsyncIterator[bytes]:
-            async for chunk in result:
+
+class _HostedResponse(UpstreamResponse):
+    """A LiteLLM result as a replica's answer: its JSON, or its chunks as server-sent events."""
+
+    def __init__(self, result: Any, *, is_stream: bool) -> None:
+        self._result = result
+        self.status = 200
+        self.content_type = "text/event-stream" if is_stream else "application/json"
+
+    async def read(self) -> bytes:
+        return orjson.dumps(self._result.model_dump(exclude_none=True))
+
+    async def aiter(self) -> AsyncIterator[bytes]:
+        try:
+            async for chunk in self._result:
                 yield b"data: " + orjson.dumps(chunk.model_dump(exclude_none=True)) + b"\n\n"
-            yield b"data: [DONE]\n\n"
-
-        def on_error(exc: BaseException) -> dict[str, object]:
-            error = _map_error(exc).body()["error"]
-            call.fail(CallStatus.FAILED, error)
-            return error  # type: ignore[return-value]
-
-        async def finish(kept: bytes, truncated: bool) -> None:
-            call.body, call.truncated = kept, truncated
-            await relay.record(call)
-
-        return relay.stream_response(call, chunks(), "text/event-stream", close=lambda: None,
-                                     on_source_error=on_error, finish=finish)
+        except Exception as exc:  # noqa: BLE001 - mapped to our error tree here, once
+            raise _map_error(exc) from exc
+        yield b"data: [DONE]\n\n"
 
 
 def _map_error(exc: BaseException) -> RolltapError:

@@ -19,11 +19,9 @@ import asyncio
 import logging
 import time
 import zlib
-from collections.abc import AsyncIterator, Awaitable, Callable
-from datetime import timedelta
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-import aiohttp
 import orjson
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
@@ -31,8 +29,7 @@ from starlette.responses import Response
 from proxy import metrics
 from proxy.access import AgentKey, Slots
 from proxy.admission import Admission
-from proxy.assemble import StreamTail, assemble_stream, extract
-from proxy.balancer import Balancer, ReplicaState
+from proxy.balancer import Balancer
 from proxy.call import CallState
 from proxy.cluster import Cluster
 from proxy.drain import Drain
@@ -42,15 +39,13 @@ from proxy.policy import ActivePolicy
 from proxy.recorder import Recorder
 from proxy.responses import ask_for_tokens as _ask_for_response_tokens
 from proxy.sampling import check_sampling
-from proxy.sse import SseParser
 from proxy.stream import RelayStream
-from proxy.upstream import Upstream, forwardable_headers
+from proxy.upstream import Upstream, UpstreamResponse, forwardable_headers
 from shared.errors import (
     InvalidRequest,
     LocalStorageFailed,
     RolltapError,
     ServiceUnavailable,
-    UpstreamTimeout,
     UpstreamUnavailable,
 )
 from shared.settings import ProxySettings
@@ -116,7 +111,8 @@ class Relay:
     async def handle(self, request: Request, route: str, rollout_id: str | None, attempt_id: str | None,
                      agent: AgentKey | None = None) -> Response:
         """Relay one call. Tracked calls (with ids) get exact tokens asked for and the model rewritten."""
-        call = CallState(route=route, rollout_id=rollout_id, attempt_id=attempt_id, agent=agent)
+        call = CallState(route=route, rollout_id=rollout_id, attempt_id=attempt_id, max_kept=self._max_body,
+                         agent=agent)
         if self._tracing is not None:
             call.span = self._tracing.start(route, request.headers, time.time_ns())
         self._recorder.begin(call.key)
@@ -143,39 +139,34 @@ class Relay:
             watcher = asyncio.get_running_loop().create_task(
                 self._watch_disconnect(request, call, asyncio.current_task()))
             if self._hosted is not None and (model := self._hosted.model_of(raw)) is not None:
-                response = await self._hosted.handle(self, call, route, raw, model)
-                finishes_later = isinstance(response, RelayStream)
-                return response
-            if not self._policy.is_known and self._on_policy_unknown is not None and rollout_id is not None:
-                await self._on_policy_unknown()  # replicas were down at start; learn the base model now
-            body = self.parse(call, raw, rewrite=True)
-            headers = forwardable_headers(request.headers)
-            if call.span is not None:  # no per-call work at all while tracing is off
-                headers |= self.trace_headers(call)
-            payload = self.payload(call, body)
-            if self._journal is not None:
-                self._local_write(self._journal.request, call.call_id, payload)
-            upstream, replica = await self._send(call, payload, headers)
-            content_type = upstream.headers.get("content-type", "")
-            if upstream.status == 200 and content_type.startswith("text/event-stream"):
+                response = await self._send_hosted(call, raw, model)
+            else:
+                if not self._policy.is_known and self._on_policy_unknown is not None and rollout_id is not None:
+                    await self._on_policy_unknown()  # replicas were down at start; learn the base model now
+                body = self._parse(call, raw, rewrite=True)
+                headers = forwardable_headers(request.headers)
+                if call.span is not None:  # no per-call work at all while tracing is off
+                    headers |= self._trace_headers(call)
+                payload = self._payload(call, body)
+                if self._journal is not None:
+                    self._local_write(self._journal.request, call.call_id, payload)
+                response = await self._send(call, payload, headers)
+            if response.is_stream:
                 finishes_later = True
-                return self._stream(call, replica, upstream, content_type)
-            return await self._relay_whole(call, upstream, content_type)
+                return self._stream(call, response)
+            return await self._relay_whole(call, response)
         except asyncio.CancelledError:
             # Our watcher's cancel (the client left): the call is recorded below; any other
             # cancellation (server shutdown) goes on up once it is.
             current = asyncio.current_task()
             if not call.has_left or current is None or current.uncancel() > 0:
                 if not call.has_left:
-                    call.fail(CallStatus.INTERRUPTED, {"message": "the proxy shut down before the call ended",
-                                                       "type": "interrupted", "code": "proxy_shutdown"})
+                    call.interrupted("the call")
                 raise
             return Response(status_code=499)  # nobody reads it: the client is gone
         except ClientDisconnect:
             # Gone before its request was read whole (nothing went upstream): recorded as what it is.
-            call.fail(CallStatus.CLIENT_DISCONNECTED, {"message": "client disconnected before its request was read",
-                                                       "type": "client_disconnected"})
-            call.has_left = True
+            call.client_left("its request was read")
             return Response(status_code=499)
         except RolltapError as exc:
             status = CallStatus.INVALID_REQUEST if isinstance(exc, InvalidRequest) else CallStatus.FAILED
@@ -215,20 +206,27 @@ class Relay:
         """Cancel the call's task when its client leaves before the answer (the body is read by then)."""
         while (await request.receive())["type"] != "http.disconnect":
             pass
-        call.fail(CallStatus.CLIENT_DISCONNECTED, {"message": "client disconnected before the response ended",
-                                                   "type": "client_disconnected"})
-        call.has_left = True
+        call.client_left("the response ended")
         if handler is not None:
             handler.cancel()
 
-    def trace_headers(self, call: CallState) -> dict[str, str]:
+    def _trace_headers(self, call: CallState) -> dict[str, str]:
         """The `traceparent` (and `tracestate`) that passes this call's span on; empty without tracing."""
         headers: dict[str, str] = {}
         if call.span is not None:
             self._tracing.inject(call.span, headers)  # type: ignore[union-attr]
         return headers
 
-    async def _send(self, call: CallState, payload: bytes, headers: dict[str, str]) -> tuple[aiohttp.ClientResponse, ReplicaState]:
+    async def _send_hosted(self, call: CallState, raw: bytes, model: str) -> UpstreamResponse:
+        """A call to a hosted model (`proxy.hosted`): recorded alike, its request as the agent sent it."""
+        body = self._parse(call, raw, rewrite=False)
+        call.replica = f"litellm:{model}"
+        sent = time.perf_counter()
+        response = await self._hosted.post(model, call.route, body, self._trace_headers(call))  # type: ignore[union-attr]
+        call.answered(response.status, sent)
+        return response
+
+    async def _send(self, call: CallState, payload: bytes, headers: dict[str, str]) -> UpstreamResponse:
         """Send to a replica; fail over on connect errors, 429 and 503, with doubling backoff."""
         tried: set[str] = set()
         for attempt in range(self._pool.max_retries + 1):
@@ -258,19 +256,17 @@ class Relay:
             except BaseException:
                 lease.release(None)
                 raise
-            call.t_first_byte = time.perf_counter()  # response headers are the replica's first bytes
-            call.upstream_s += call.t_first_byte - sent
-            call.http_status = upstream.status
+            call.answered(upstream.status, sent)  # response headers are the replica's first bytes
             if upstream.status in _RETRY_STATUSES and attempt < self._pool.max_retries:
                 upstream.release()
                 lease.release(upstream.status)
                 tried.add(replica.url)
                 continue
             call.replica_lease = lease  # given back in `record`, however the call ends
-            return upstream, replica
+            return upstream
         raise AssertionError("unreachable")  # the loop returns or raises
 
-    def parse(self, call: CallState, raw: bytes, *, rewrite: bool) -> dict[str, Any]:
+    def _parse(self, call: CallState, raw: bytes, *, rewrite: bool) -> dict[str, Any]:
         """Validate the body and fill the call's request fields; tracked calls get exact tokens asked for."""
         try:
             body = loads_exact(raw)  # also what orjson refuses but JSON allows (lone surrogates, ...)
@@ -294,7 +290,7 @@ class Relay:
         return body
 
     @staticmethod
-    def payload(call: CallState, body: dict[str, Any]) -> bytes:
+    def _payload(call: CallState, body: dict[str, Any]) -> bytes:
         """The body to send upstream. Refused (400, recorded with its exact bytes) only when it
         nests deeper than `MAX_DEPTH` (orjson reads 1024 levels, writes 255; see shared/verbatim.py)."""
         try:
@@ -323,76 +319,21 @@ class Relay:
         elif call.route == Route.COMPLETIONS and body.get("logprobs") is None:
             body["logprobs"] = 0  # the sampled token's logprob, no alternatives
 
-    async def _relay_whole(self, call: CallState, upstream: aiohttp.ClientResponse, content_type: str) -> Response:
+    async def _relay_whole(self, call: CallState, response: UpstreamResponse) -> Response:
         started = time.perf_counter()
         try:
-            body = await upstream.read()
-        except asyncio.CancelledError:
-            upstream.close()  # the client left: the replica drops the request with the connection
-            raise
-        except TimeoutError as exc:
-            upstream.close()
-            call.http_status = 504
-            raise UpstreamTimeout(f"replica {call.replica} did not finish the response within "
-                                  f"{self._settings.limits.call_timeout_s:g} s (proxy.limits.call_timeout_s)",
-                                  code="call_timeout") from exc
-        except (aiohttp.ClientError, OSError) as exc:
-            upstream.close()
-            call.http_status = 502
-            raise UpstreamUnavailable(f"replica {call.replica} failed mid-response: {exc.__class__.__name__}",
-                                      code="upstream_disconnected") from exc
+            body = await response.read()  # a failure mid-response is ours already: 503 or 504
         finally:
             call.upstream_s += time.perf_counter() - started
-            upstream.release()
-        self.keep(call, body)
-        if upstream.status >= 400:
-            call.status = CallStatus.UPSTREAM_ERROR
-        return Response(body, status_code=upstream.status, media_type=content_type or None, headers=call.headers())
+        call.keep_whole(body)
+        return Response(body, status_code=response.status, media_type=response.content_type or None,
+                        headers=call.headers())
 
-    def keep(self, call: CallState, body: bytes) -> None:
-        """Keep a whole response for the record, cut at `recorder.max_body_bytes` as streams are;
-        the token fields of a cut one are read from all of it first."""
-        if len(body) > self._max_body:
-            call.body, call.truncated = body[:self._max_body], True
-            call.whole = extract(call.route, _parse_whole(body))
-        else:
-            call.body = body
-
-    def _stream(self, call: CallState, replica: ReplicaState, upstream: aiohttp.ClientResponse,
-                content_type: str) -> RelayStream:
-        def on_source_error(exc: BaseException) -> dict[str, object]:
-            error: dict[str, object] = {"message": f"replica {call.replica} failed mid-stream: {exc.__class__.__name__}",
-                                        "type": "upstream_disconnected", "param": None, "code": None}
-            call.fail(CallStatus.FAILED, error)
-            self._balancer.mark_unreachable(replica, str(exc))
-            return error
-
-        async def finish(kept: bytes, truncated: bool) -> None:
-            call.body, call.truncated = kept, truncated
-            await self.record(call)
-
-        return self.stream_response(call, upstream.content.iter_any(), content_type, close=upstream.close,
-                                    on_source_error=on_source_error, finish=finish)
-
-    def stream_response(self, call: CallState, chunks: AsyncIterator[bytes], content_type: str, *,
-                        close: Callable[[], None], on_source_error: Callable[[BaseException], dict[str, object]],
-                        finish: Callable[[bytes, bool], Awaitable[None]]) -> RelayStream:
-        headers = [(b"content-type", content_type.encode()), (b"cache-control", b"no-cache"),
+    def _stream(self, call: CallState, response: UpstreamResponse) -> RelayStream:
+        headers = [(b"content-type", response.content_type.encode()), (b"cache-control", b"no-cache"),
                    (b"x-accel-buffering", b"no")]
         headers += [(k.encode(), v.encode()) for k, v in call.headers().items()]
-
-        async def seal(kept: bytes, truncated: bool) -> None:
-            call.body, call.truncated = kept, truncated
-            await self._seal(call)
-
-        def read_cut(data: bytes) -> None:
-            if not isinstance(call.whole, StreamTail):
-                call.whole = StreamTail(call.route)
-            call.whole.feed(data)
-
-        return RelayStream(call, chunks, status_code=200, headers=headers, max_kept_bytes=self._max_body,
-                           close=close, on_source_error=on_source_error, seal=seal, finish=finish,
-                           read_cut=read_cut)
+        return RelayStream(self, call, response, headers)
 
     async def models(self) -> Response:
         """The model list of a healthy replica, as it sent it (clients probe it at start)."""
@@ -409,12 +350,11 @@ class Relay:
             raise
         return Response(body, status_code=status, media_type=content_type)
 
-    async def _seal(self, call: CallState) -> CallRecord:
+    async def seal(self, call: CallState) -> CallRecord:
         """Build the record and journal it (fsynced with `journal_fsync`): the call survives a crash now."""
         if call.lease is not None:  # calls refused before forwarding: the row must precede its deletion
             await Cluster.held(call.lease)
-        record = self._build(call)
-        call.sealed, call.sealed_len = record, len(call.body)
+        record = call.seal()
         if self._journal is not None:
             try:
                 self._journal.ended(record)
@@ -427,17 +367,14 @@ class Relay:
         return record
 
     async def record(self, call: CallState) -> None:
-        """Queue the call's record (journaled first, unless a stream sealed it already). Once per call."""
-        record = call.sealed
-        if (record is None or call.sealed_len != len(call.body) or call.status != record.status
-                or (isinstance(call.whole, StreamTail) and call.whole.is_stale)):
-            # Not sealed, or something happened after the seal (a late error event, a cut source,
-            # events past the kept bytes).
-            record = await self._seal(call)
+        """Queue the call's record (sealed again if anything changed since it was). Once per call."""
+        record = call.sealed if not call.dirty and call.sealed is not None else await self.seal(call)
         self._drain.call_ended()
         if call.replica_lease is not None:
+            if call.source_failed:
+                self._balancer.mark_unreachable(call.replica_lease.replica, str((call.error or {}).get("message")))
             call.replica_lease.release(call.http_status)
-        if call.has_slot:  # here, not in `_build`: a call may be sealed twice, its slot is given back once
+        if call.has_slot:  # given back once, here, however the call ended
             call.has_slot = False
             self._slots.give(call.agent)
         if call.span is not None:
@@ -449,77 +386,10 @@ class Relay:
             _metric(metrics.TTFB_SECONDS, route).observe(call.t_first_byte - call.t0)
         await self._recorder.submit(record)
 
-    def _build(self, call: CallState) -> CallRecord:
-        """The record of what the call left so far."""
-        ended = time.perf_counter()
-        record = CallRecord(
-            call_id=call.call_id,
-            rollout_id=call.rollout_id,
-            attempt_id=call.attempt_id,
-            route=call.route,
-            is_streaming=call.is_streaming,
-            status=call.status,
-            started_at=call.started_at,
-            ended_at=call.started_at + timedelta(seconds=ended - call.t0),
-            first_byte_at=(call.started_at + timedelta(seconds=call.t_first_byte - call.t0))
-            if call.t_first_byte is not None else None,
-            http_status=call.http_status,
-            error=call.error,
-            request=call.request,
-            response_truncated=call.truncated,
-            request_body=call.request_body,
-            response_body=call.body or None,
-            replica=call.replica,
-            policy_version=call.policy_version,
-            requested_model=call.requested_model,
-            served_model=call.served_model,
-            arrival=call.arrival,
-        )
-        if call.body or call.whole is not None:  # a stream cut before its first kept byte has its token fields
-            _fill_response(record, call)
-        return record
-
 
 def _storage_failed(reason: str) -> LocalStorageFailed:
     return LocalStorageFailed(f"the proxy cannot keep this call safe on its own disk ({reason}); retry shortly, "
                               "or on another proxy", retry_after_s=1.0)
-
-
-def _fill_response(record: CallRecord, call: CallState) -> None:
-    """The record's parsed response (of the bytes kept) and token fields (of the whole answer)."""
-    if call.is_streaming and call.http_status == 200:
-        parser = SseParser()
-        events = parser.feed(call.body) + parser.close()
-        response: Any = assemble_stream(call.route, events)
-    else:
-        response = _parse_whole(call.body)
-    record.response = response if call.body else None
-    if isinstance(call.whole, StreamTail):
-        fields = call.whole.fields()
-    elif call.whole is not None:
-        fields = call.whole
-    else:
-        fields = extract(call.route, response)
-    record.prompt_token_ids = fields.prompt_token_ids
-    record.completion_token_ids = fields.completion_token_ids
-    record.completion_logprobs = fields.completion_logprobs
-    record.finish_reason = fields.finish_reason
-    record.usage = fields.usage
-    if fields.error is not None and record.status == CallStatus.OK:
-        # The replica reported an error inside a 200 stream.
-        record.status = CallStatus.UPSTREAM_ERROR
-        record.error = fields.error if isinstance(fields.error, dict) else {"message": str(fields.error)}
-    elif record.status == CallStatus.UPSTREAM_ERROR and isinstance(response, dict):
-        error = fields.error if fields.error is not None else response.get("error", response)
-        record.error = error if isinstance(error, dict) else {"message": str(error)}
-
-
-def _parse_whole(body: bytes) -> Any:
-    """A whole (not streamed) response's JSON; a body that is not JSON (or was cut) as its first 4 KiB of text."""
-    try:
-        return loads_exact(body)
-    except ExactJsonError:
-        return {"raw": body[:4096].decode("utf-8", "replace")}
 
 
 def _wants_rollout_logprobs(settings: ProxySettings, rollout_id: str | None, attempt_id: str | None) -> bool:

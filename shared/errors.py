@@ -13,6 +13,7 @@
     ├── TooManyRequests (429, rate_limit_error)
     ├── ServiceUnavailable (503, service_unavailable)
     │   ├── UpstreamUnavailable (503, upstream_unavailable): no replica could be reached
+    │   │   └── UpstreamDisconnected (503, upstream_disconnected): it went away mid-answer
     │   └── DatabaseUnavailable (503, database_unavailable)
     ├── UpstreamTimeout (504, upstream_timeout)
     ├── NotDurable (507, storage_error, code=attempt_not_durable): a call record of the
@@ -42,6 +43,7 @@ __all__ = [
     "ServiceUnavailable",
     "TooManyRequests",
     "Unauthorized",
+    "UpstreamDisconnected",
     "UpstreamTimeout",
     "UpstreamUnavailable",
 ]
@@ -130,6 +132,12 @@ class ServiceUnavailable(RolltapError):
 
 class UpstreamUnavailable(ServiceUnavailable):
     type = "upstream_unavailable"
+
+
+class UpstreamDisconnected(UpstreamUnavailable):
+    # The replica went away after its headers: a stream ends with this as its last event.
+    type = "upstream_disconnected"
+    code = "upstream_disconnected"
 
 
 class DatabaseUnavailable(ServiceUnavailable):
