@@ -97,6 +97,12 @@ class _HostedResponse(UpstreamResponse):
             raise _map_error(exc) from exc
         yield b"data: [DONE]\n\n"
 
+    def close(self) -> None:
+        pass  # the Router holds no connection of ours to drop
+
+    def release(self) -> None:
+        pass
+
 
 def _map_error(exc: BaseException) -> RolltapError:
     name = exc.__class__.__name__

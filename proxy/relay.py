@@ -121,8 +121,9 @@ class Relay:
         self._drain.call_started()
         finishes_later = False  # a stream records itself when it ends
         watcher: asyncio.Task[None] | None = None
+        journaled: asyncio.Future[None] | None = None  # the batch its start line is written in
         try:
-            self._journal_start(call)
+            journaled = self._journal_start(call)
             if self._drain.is_draining:
                 raise ServiceUnavailable("the proxy is shutting down and takes no new calls; retry on another "
                                          "proxy or once it is back", code="proxy_draining", retry_after_s=1.0)
@@ -149,7 +150,9 @@ class Relay:
                     headers |= self._trace_headers(call)
                 payload = self._payload(call, body)
                 if self._journal is not None:
-                    self._local_write(self._journal.request, call.call_id, payload)
+                    # Nothing goes upstream before the call's start and request lines are on disk.
+                    await self._written(journaled)
+                    await self._written(self._local_write(self._journal.request, call.call_id, payload))
                 response = await self._send(call, payload, headers)
             if response.is_stream:
                 finishes_later = True
@@ -186,18 +189,27 @@ class Relay:
             if not finishes_later:
                 await self.record(call)
 
-    def _journal_start(self, call: CallState) -> None:
-        """Refuse a new call, before anything goes upstream, while this proxy's disk cannot keep it safe."""
+    def _journal_start(self, call: CallState) -> asyncio.Future[None] | None:
+        """Refuse a new call, before anything goes upstream, while this proxy's disk cannot keep it safe;
+        else journal its start (the batch it is written in, to await before going upstream)."""
         if self._recorder.local_storage_error is not None:
             raise _storage_failed(self._recorder.local_storage_error)
-        if self._journal is not None:
-            self._local_write(self._journal.started, call.call_id, call.rollout_id, call.attempt_id, call.route,
-                              call.started_at, call.arrival)
+        if self._journal is None:
+            return None
+        return self._local_write(self._journal.started, call.call_id, call.rollout_id, call.attempt_id, call.route,
+                                 call.started_at, call.arrival)
 
     @staticmethod
-    def _local_write(write: Callable[..., None], *args: Any) -> None:
+    def _local_write(write: Callable[..., asyncio.Future[None] | None], *args: Any) -> asyncio.Future[None] | None:
         try:
-            write(*args)
+            return write(*args)
+        except OSError as exc:
+            raise _storage_failed(f"{exc.__class__.__name__}: {exc.strerror or exc}") from exc
+
+    @staticmethod
+    async def _written(batch: asyncio.Future[None] | None) -> None:
+        try:
+            await Journal.written(batch)
         except OSError as exc:
             raise _storage_failed(f"{exc.__class__.__name__}: {exc.strerror or exc}") from exc
 
@@ -357,7 +369,7 @@ class Relay:
         record = call.seal()
         if self._journal is not None:
             try:
-                self._journal.ended(record)
+                await Journal.written(self._journal.ended(record))
                 await self._journal.sync()
             except OSError:
                 # The disk filled (or failed) under a call in progress: the client still gets its

@@ -78,9 +78,11 @@ class UpstreamResponse(abc.ABC):
     def aiter(self) -> AsyncIterator[bytes]:
         """The body's chunks as they arrive."""
 
+    @abc.abstractmethod
     def close(self) -> None:
         """Drop the connection: a replica aborts the request (the client left, or it failed)."""
 
+    @abc.abstractmethod
     def release(self) -> None:
         """Give the connection back for reuse (the body was read whole, or is not wanted)."""
 
