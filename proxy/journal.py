@@ -67,6 +67,15 @@ def _write_all(fd: int, data: bytes) -> None:
         view = view[os.write(fd, view):]
 
 
+class _Batch(asyncio.Future[None]):
+    """The future of one batch of lines, shared by every call in it: a waiter's cancellation (its
+    client left) must not cancel it for the others. That waiter is cancelled once the batch is
+    written instead, a loop turn later (`asyncio.Task.cancel` defers when its future refuses)."""
+
+    def cancel(self, msg: Any = None) -> bool:
+        return False
+
+
 class Journal:
     """This process's journal. `open()` before the first call; `close()` after the last record is durable."""
 
@@ -195,7 +204,7 @@ class Journal:
             except RuntimeError:
                 self._append(line)
                 return None
-            self._batch = loop.create_future()
+            self._batch = _Batch(loop=loop)
             loop.call_soon(self.flush)
         self._pending.append(line)
         self._pending_bytes += len(line)
@@ -218,14 +227,9 @@ class Journal:
 
     @staticmethod
     async def written(batch: asyncio.Future[None] | None) -> None:
-        """Return once a line's batch is on disk (page cache); raises its `OSError` when the disk refused it.
-
-        Shielded: a batch is shared by every call in it, and one call's cancellation (its client
-        left) must not cancel the others' wait."""
-        if batch is not None and not batch.done():
-            await asyncio.shield(batch)
-        elif batch is not None:
-            batch.result()
+        """Return once a line's batch is on disk (page cache); raises its `OSError` when the disk refused it."""
+        if batch is not None:
+            await batch
 
     def started(self, call_id: str, rollout_id: str | None, attempt_id: str | None, route: str,
                 started_at: datetime, arrival: int) -> asyncio.Future[None] | None:
