@@ -11,7 +11,7 @@ export HF_HUB_DISABLE_UPDATE_CHECK := 1
 export LITELLM_LOCAL_MODEL_COST_MAP := True
 export WANDB_MODE := disabled
 
-.PHONY: install demo demo-record learn test bench clean
+.PHONY: install demo demo-record learn test bench bench-cpu clean
 
 install: $(VENV)/.installed $(VLLM_VENV)/.installed
 
@@ -56,6 +56,12 @@ test: install
 
 bench: install
 	$(VENV)/bin/python -m bench.proxy_overhead
+
+# The proxy's CPU per call from outside (/proc), against a bare relay on the same stack, in one
+# run (needs wrk): the hot path's budget, results in docs/benchmarks.md ("CPU per call").
+bench-cpu: install
+	$(VENV)/bin/python -m bench.proxy_overhead --targets direct,bare,sqlite --concurrency 1,32 --repeat 3 \
+		--out .rolltap/bench-cpu.md
 
 clean:
 	rm -rf .rolltap .pytest_cache .hypothesis
