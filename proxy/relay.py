@@ -139,6 +139,7 @@ class Relay:
                 await self._cluster.before_upstream(call.call_id, call.lease)
             watcher = asyncio.get_running_loop().create_task(
                 self._watch_disconnect(request, call, asyncio.current_task()))
+            await self._written(journaled)  # nothing goes upstream before its start line is on disk
             if self._hosted is not None and (model := self._hosted.model_of(raw)) is not None:
                 response = await self._send_hosted(call, raw, model)
             else:
@@ -149,9 +150,7 @@ class Relay:
                 if call.span is not None:  # no per-call work at all while tracing is off
                     headers |= self._trace_headers(call)
                 payload = self._payload(call, body)
-                if self._journal is not None:
-                    # Nothing goes upstream before the call's start and request lines are on disk.
-                    await self._written(journaled)
+                if self._journal is not None:  # nor before its request line is
                     await self._written(self._local_write(self._journal.request, call.call_id, payload))
                 response = await self._send(call, payload, headers)
             if response.is_stream:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -9,6 +10,8 @@ import sys
 import textwrap
 from datetime import UTC, datetime
 from pathlib import Path
+
+import pytest
 
 from proxy.journal import Journal, recover
 from shared.types import CallRecord, CallStatus
@@ -94,3 +97,36 @@ def test_segments_go_once_their_calls_are_durable(tmp_path: Path) -> None:
     assert journal.open_calls == 0
     journal.close()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_lines_of_one_loop_turn_share_one_write_and_a_cancelled_waiter_leaves_the_rest(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Counting the kernel writes (os.write is the journal's only way to the disk; nothing of ours is replaced).
+    writes: list[int] = []
+    real_write = os.write
+
+    def counting_write(fd: int, data: bytes | memoryview) -> int:
+        writes.append(len(data))
+        return real_write(fd, data)
+
+    journal = Journal(tmp_path)
+    journal.open()
+    monkeypatch.setattr(os, "write", counting_write)
+
+    async def call(i: int) -> None:
+        await Journal.written(journal.started(f"call-{i}", "r", "a", "chat/completions", datetime.now(UTC), i))
+
+    async def main() -> list[BaseException | None]:
+        tasks = [asyncio.create_task(call(i)) for i in range(50)]
+        await asyncio.sleep(0)  # every call has queued its line and waits for the batch
+        tasks[0].cancel()  # its client left: the batch is shared, the others must not be cancelled with it
+        return await asyncio.gather(*tasks, return_exceptions=True)
+
+    results = asyncio.run(main())
+    monkeypatch.undo()
+    assert isinstance(results[0], asyncio.CancelledError) and results[1:] == [None] * 49
+    assert len(writes) == 1  # 50 lines, one system call
+    (segment,) = tmp_path.glob("*.jsonl")
+    assert segment.read_bytes().count(b"\n") == 50  # the cancelled call's line is written too
+    journal.durable([_record(f"call-{i}") for i in range(50)])
+    journal.close()
