@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
     from proxy.access import AgentKey
     from proxy.assemble import Extract, StreamTail
-    from proxy.balancer import ReplicaLease
+    from proxy.balancer import ReplicaSeat
 
 __all__ = ["CallState"]
 
@@ -76,7 +76,7 @@ class CallState:
     sealed: CallRecord | None = None  # the record journaled before the stream's last byte
     sealed_len: int = 0  # bytes of body the sealed record was built from
     lease: asyncio.Future[bool] | None = None  # its `call_leases` row being written (`proxy.cluster`)
-    replica_lease: ReplicaLease | None = None  # its place on the replica that answers, until recorded
+    replica_seat: ReplicaSeat | None = None  # its place on the replica that answers, until recorded
 
     @property
     def key(self) -> tuple[str, str] | None:

@@ -242,13 +242,13 @@ class Relay:
                 # Every healthy replica was tried: try again where it said "busy" rather than fail.
                 replica = self._balancer.pick(call.rollout_id, call.attempt_id)
             call.replica = replica.shown_url  # recorded and shown: no credentials
-            lease = self._balancer.lease(replica)
+            seat = self._balancer.seat(replica)
             sent = time.perf_counter()
             try:
                 upstream = await self._upstream.post(replica.url, "/v1/" + call.route, payload, headers)
             except UpstreamUnavailable as exc:
                 call.upstream_s += time.perf_counter() - sent
-                lease.release(None)
+                seat.release(None)
                 self._balancer.mark_unreachable(replica, exc.message)
                 tried.add(replica.url)
                 if attempt == self._pool.max_retries:
@@ -256,17 +256,17 @@ class Relay:
                 logger.debug("retrying %s after %s", call.call_id, exc.message)
                 continue
             except BaseException:
-                lease.release(None)
+                seat.release(None)
                 raise
             call.t_first_byte = time.perf_counter()  # response headers are the replica's first bytes
             call.upstream_s += call.t_first_byte - sent
             call.http_status = upstream.status
             if upstream.status in _RETRY_STATUSES and attempt < self._pool.max_retries:
                 upstream.release()
-                lease.release(upstream.status)
+                seat.release(upstream.status)
                 tried.add(replica.url)
                 continue
-            call.replica_lease = lease  # given back in `record`, however the call ends
+            call.replica_seat = seat  # given back in `record`, however the call ends
             return upstream, replica
         raise AssertionError("unreachable")  # the loop returns or raises
 
@@ -435,8 +435,8 @@ class Relay:
             # events past the kept bytes).
             record = await self._seal(call)
         self._drain.call_ended()
-        if call.replica_lease is not None:
-            call.replica_lease.release(call.http_status)
+        if call.replica_seat is not None:
+            call.replica_seat.release(call.http_status)
         if call.has_slot:  # here, not in `_build`: a call may be sealed twice, its slot is given back once
             call.has_slot = False
             self._slots.give(call.agent)
