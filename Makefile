@@ -11,7 +11,7 @@ export HF_HUB_DISABLE_UPDATE_CHECK := 1
 export LITELLM_LOCAL_MODEL_COST_MAP := True
 export WANDB_MODE := disabled
 
-.PHONY: install demo demo-record learn lint test bench clean
+.PHONY: install demo demo-record learn lint docs test bench clean
 
 install: $(VENV)/.installed $(VLLM_VENV)/.installed
 
@@ -56,6 +56,12 @@ learn: install
 lint: install
 	$(VENV)/bin/python -m ruff check .
 	$(VENV)/bin/python -m mypy
+
+# The generated docs, after a setting, a model, a route or a module changed (tests fail while stale).
+docs: install
+	$(VENV)/bin/python -m shared.config_docs > docs/config.md
+	$(VENV)/bin/python -m shared.schema_docs > docs/schema.md
+	$(VENV)/bin/python -m tools.arch_docs
 
 test: install
 	$(VENV)/bin/python -m pytest
