@@ -82,10 +82,6 @@ class ReplicaState:
     def is_available(self) -> bool:
         return self.is_healthy and not self.is_draining and not self.is_ejected_elsewhere
 
-    @property
-    def load(self) -> float:
-        return max(self.in_flight, self.running + self.waiting) + self.kv_usage
-
     def describe(self) -> dict[str, object]:
         return {
             "url": self.shown_url, "weight_mode": self.weight_mode, "healthy": self.is_healthy,
