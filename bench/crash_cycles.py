@@ -43,7 +43,8 @@ def main() -> None:
                 "messages": [{"role": "user", "content": f"agent {i} turn {k}"}]}
 
     work = Path(tempfile.mkdtemp(prefix="rolltap-cycles-"))
-    log, violations = AgentLog(), []
+    log = AgentLog()
+    violations: list[str] = []
     with database(args.db, work) as db_url:
         proxy = ProxyProcess(work, db_url, args.replica, free_port(), ROLLTAP_PROXY__LOG_LEVEL="warning")
         try:

@@ -59,6 +59,7 @@ class Victim:
             from tools.replica import VllmReplica
 
             if self._replica is None:
+                assert self._model_dir is not None, "a vLLM victim serves a model"
                 self._replica = VllmReplica(self._model_dir, served_model_name="tiny", port=self.port)
             self._replica.start()
             self._replica.wait_healthy(600)

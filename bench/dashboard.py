@@ -20,12 +20,13 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import httpx
+from pydantic import SecretStr
 from sqlalchemy import insert, text
 
 from shared.db.engine import create_sync_db
 from shared.db.migrate import upgrade
 from shared.db.models import Attempt, Reward, Rollout
-from shared.settings import DbSettings, Settings
+from shared.settings import DbSettings, ProxySettings, RecorderSettings, Settings
 from tests.support.databases import database
 from tests.support.servers import run_proxy
 
@@ -97,8 +98,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp, database(args.db, Path(tmp)) as url:
         fill_s = fill(url, args.attempts)
-        settings = Settings(db={"url": url}, proxy={"replicas": [], "port": 0, "admin_token": "bench",
-                                                    "recorder": {"spool_dir": str(Path(tmp) / "spool")}})
+        proxy_settings = ProxySettings(replicas=[], port=0, admin_token=SecretStr("bench"),
+                                       recorder=RecorderSettings(spool_dir=Path(tmp) / "spool"))
+        settings = Settings(db=DbSettings(url=url), proxy=proxy_settings)
         with run_proxy(settings) as proxy:
             pages = time_pages(proxy.url, "bench", args.repeat, args.attempts)
     print(json.dumps({"db": args.db, "attempts": args.attempts, "fill_s": round(fill_s, 1), "pages": pages},

@@ -63,7 +63,7 @@ TURNS = 3
 REFUSED = {502, 503, 507, None}  # nothing went upstream: the agent sends the call again
 ADMIN = {"authorization": "Bearer edges"}
 BASE_ENV = {"ROLLTAP_PROXY__LOG_LEVEL": "warning", "ROLLTAP_PROXY__ADMIN_TOKEN": "edges"}
-CLUSTER_ENV = {"ROLLTAP_PROXY__CLUSTER__LEASE_S": "2", "ROLLTAP_PROXY__CLUSTER__HEARTBEAT_S": "0.25",
+CLUSTER_ENV = {"ROLLTAP_PROXY__CLUSTER__DEAD_AFTER_S": "2", "ROLLTAP_PROXY__CLUSTER__HEARTBEAT_S": "0.25",
                "ROLLTAP_PROXY__MODEL": "fault-model"}
 GIVE_UP_S = 120.0
 SCENARIOS = ("pg-immediate", "kill-restart", "disk-full")

@@ -115,7 +115,7 @@ class Server:
     path_fmt: Callable[[str], str | None]  # rollout id -> wrk path format (None: the static path)
     static_path: str
     proc: subprocess.Popen[bytes] | None
-    stop: Callable[[], None]
+    stop: Callable[[], object]  # what it returns (an exit code) is not used
     streams: bool = True
     db_url: str | None = None
     prepare: Callable[[str], None] | None = None  # called with each new rollout id before its wrk run

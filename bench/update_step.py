@@ -23,13 +23,13 @@ import torch
 
 from shared.settings import TrainerSettings
 from tools.tiny_model import build_tiny_model
-from trainer.batch import build_batch
+from trainer.batch import Batch, build_batch
 from trainer.data import Sample
 from trainer.trajectory import Triplet
 from trainer.update import PolicyUpdater
 
 
-def _batch(rows: int, prompt_len: int, response_len: int, vocab: int) -> tuple[object, torch.Tensor]:
+def _batch(rows: int, prompt_len: int, response_len: int, vocab: int) -> tuple[Batch, torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
     samples, rewards = [], []
     for i in range(rows):

@@ -56,7 +56,7 @@ def run_attempt(proxy_url: str, rollout_id: str, attempt_id: str, task: Task, *,
         if stream:
             chunks = client.chat.completions.create(model="policy", messages=messages,  # type: ignore[arg-type]
                                                     max_tokens=max_tokens, stream=True)
-            reply = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            reply = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)  # type: ignore[union-attr]
         else:
             out = client.chat.completions.create(model="policy", messages=messages,  # type: ignore[arg-type]
                                                  max_tokens=max_tokens)

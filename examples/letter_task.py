@@ -39,11 +39,13 @@ def run_attempt(proxy_url: str, rollout_id: str, attempt_id: str, task: LetterTa
                 seed: int | None = None) -> float:
     """One attempt: ask, score, report the reward with `finish` (both with the agent key). Returns the reward."""
     base_url = f"{proxy_url}/rollout/{rollout_id}/attempt/{attempt_id}/v1"
+    # openai takes an httpx.Client at run time; its annotations name its vendored client's type.
     client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=3,
-                           http_client=http if http is not None else None)
+                           http_client=http if http is not None else None)  # type: ignore[arg-type]
     extra = {} if seed is None else {"seed": seed}
     out = client.chat.completions.create(model="policy", messages=[{"role": "user", "content": task.prompt}],
-                                         max_tokens=max_tokens, temperature=temperature, **extra)
+                                         max_tokens=max_tokens, temperature=temperature,
+                                         **extra)  # type: ignore[call-overload]  # `seed` only when given
     reward = score(task, out.choices[0].message.content or "")
     poster = http or httpx.Client(timeout=120)
     try:

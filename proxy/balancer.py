@@ -44,7 +44,7 @@ from proxy.upstream import Upstream, shown_url
 from shared.errors import Conflict, NotFound, RolltapError, UpstreamTimeout, UpstreamUnavailable
 from shared.settings import PoolSettings
 
-__all__ = ["Balancer", "ReplicaLease", "ReplicaState"]
+__all__ = ["Balancer", "ReplicaSeat", "ReplicaState"]
 
 logger = logging.getLogger(__name__)
 
@@ -81,10 +81,6 @@ class ReplicaState:
     @property
     def is_available(self) -> bool:
         return self.is_healthy and not self.is_draining and not self.is_ejected_elsewhere
-
-    @property
-    def load(self) -> float:
-        return max(self.in_flight, self.running + self.waiting) + self.kv_usage
 
     def describe(self) -> dict[str, object]:
         return {
@@ -204,11 +200,11 @@ class Balancer:
                 return self._replicas[url]
         return candidates[0]
 
-    def lease(self, replica: ReplicaState) -> ReplicaLease:
-        """Count a call in flight on `replica` until the lease is released."""
+    def seat(self, replica: ReplicaState) -> ReplicaSeat:
+        """Count a call in flight on `replica` until its seat is released."""
         replica.in_flight += 1
         replica.calls_total += 1
-        return ReplicaLease(self, replica)
+        return ReplicaSeat(self, replica)
 
     def _call_ended(self, replica: ReplicaState, http_status: int | None) -> None:
         """Account for a finished call; 5xx answers count towards ejection."""
@@ -392,8 +388,8 @@ def _hash(key: str) -> int:
     return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "big")
 
 
-class ReplicaLease:
-    """One call's place on one replica, from `Balancer.lease` until `release`: the only owner of
+class ReplicaSeat:
+    """One call's place on one replica, from `Balancer.seat` until `release`: the only owner of
     that call's share of the replica's in-flight count, so it is given back exactly once."""
 
     __slots__ = ("_balancer", "_released", "replica")
@@ -407,4 +403,4 @@ class ReplicaLease:
         """The call is over on this replica (`http_status` None: no answer); later calls do nothing."""
         if not self._released:
             self._released = True
-            self._balancer._call_ended(self.replica, http_status)  # noqa: SLF001 - the lease is the balancer's
+            self._balancer._call_ended(self.replica, http_status)  # noqa: SLF001 - the seat is the balancer's

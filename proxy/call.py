@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from opentelemetry.trace import Span
 
     from proxy.access import AgentKey
-    from proxy.balancer import ReplicaLease
+    from proxy.balancer import ReplicaSeat
 
 __all__ = ["CallState", "parse_whole"]
 
@@ -86,7 +86,7 @@ class CallState:
     has_left: bool = False  # the client disconnected before the end
     source_failed: bool = False  # the replica failed after its headers: ejected when the call is recorded
     lease: asyncio.Future[bool] | None = None  # its `call_leases` row being written (`proxy.cluster`)
-    replica_lease: ReplicaLease | None = None  # its place on the replica that answers, until recorded
+    replica_seat: ReplicaSeat | None = None  # its place on the replica that answers, until recorded
     sealed: CallRecord | None = None  # the record last built, journaled before the end reached the client
     dirty: bool = True  # something changed since `sealed` was built
     _kept: list[bytes] = field(default_factory=list)  # the response's bytes the record keeps

@@ -10,7 +10,7 @@ Every proxy process (a `--workers` process, or one on another host) is a member:
   within `heartbeat_s`, and a member that (re)connects starts from the current state.
 - The registry: `proxies` rows with heartbeats. A pause waits until every live member
   has drained for its epoch, a policy change until every live member applied it; a member
-  silent for `lease_s` is dead and not waited for.
+  silent for `dead_after_s` is dead and not waited for.
 - Call leases: a tracked call holds a `call_leases` row from its start until the
   transaction that commits its record deletes it, so `finish` on any member can wait for
   calls in flight on the others. Leases are inserted in batches by one task; a call waits
@@ -32,7 +32,7 @@ Every proxy process (a `--workers` process, or one on another host) is a member:
   `eject_hold_s` after the ejection. Why this shape: re-admission by any member's probe
   would let a replica that fails calls but passes `/health` flap in and out as members
   disagree; a shared "until" timestamp alone would re-admit a replica still failing. A
-  dead member's rows stop counting once its heartbeat is `lease_s` old (and go with its
+  dead member's rows stop counting once its heartbeat is `dead_after_s` old (and go with its
   registry row), so a crash never pins a replica out.
 
 asyncpg is used directly only here, for LISTEN; everything else goes through
@@ -68,7 +68,7 @@ logger = logging.getLogger(__name__)
 
 CHANNEL = "rolltap_cluster"
 REPLICA_CHANNEL = "rolltap_replicas"
-_LEASE_WAIT_S = 2.0  # longest a call's end waits for its lease row (the database is slow or gone)
+_LEASE_WAIT_S = 2.0  # longest a call waits for its lease row, before upstream or before its record
 
 
 def _listen_dsn(url: str) -> str:
@@ -99,8 +99,8 @@ class Cluster:
         self._leases_ok = True  # False while lease writes fail: calls go unleased (see `before_upstream`)
         self._last_beat_ok = time.monotonic()  # the last heartbeat the database took
         # Another member takes this one for cut off once its heartbeat is this old (and waits for it in
-        # `finish`): twice the beat, well inside `lease_s`.
-        self.stale_s = min(2 * settings.heartbeat_s, settings.lease_s / 2)
+        # `finish`): twice the beat, well inside `dead_after_s`.
+        self.stale_s = min(2 * settings.heartbeat_s, settings.dead_after_s / 2)
         self.unleased: set[str] = set()  # calls sent upstream without a lease row, not yet committed
         self._replicas_kick = asyncio.Event()
         balancer.eject_hold_s = settings.eject_hold_s
@@ -132,8 +132,8 @@ class Cluster:
         try:
             async with self._engine.begin() as conn:
                 await store.deregister_proxy(conn, self.proxy_id)
-        except Exception:  # noqa: BLE001 - the row expires on its own after `lease_s`
-            logger.warning("cluster: could not leave the registry; the row expires in %.0f s", self._settings.lease_s)
+        except Exception:  # noqa: BLE001 - the row expires on its own after `dead_after_s`
+            logger.warning("cluster: could not leave the registry; the row expires in %.0f s", self._settings.dead_after_s)
 
     # -- shared state -----------------------------------------------------------------------
 
@@ -182,7 +182,7 @@ class Cluster:
         delay = 0.002
         while True:
             async with self._engine.connect() as conn:
-                lagging = await store.lagging_proxies(conn, epoch, self._settings.lease_s, drained=drained)
+                lagging = await store.lagging_proxies(conn, epoch, self._settings.dead_after_s, drained=drained)
             if not lagging or asyncio.get_running_loop().time() >= deadline:
                 return lagging
             await asyncio.sleep(delay)
@@ -254,7 +254,7 @@ class Cluster:
         while True:
             try:
                 async with self._engine.connect() as conn:
-                    missing = await store.unaccounted_proxies(conn, self.proxy_id, self._settings.lease_s,
+                    missing = await store.unaccounted_proxies(conn, self.proxy_id, self._settings.dead_after_s,
                                                               self.stale_s)
             except Exception as exc:  # noqa: BLE001 - any database error here means "cannot confirm now"
                 raise DatabaseUnavailable(f"database unreachable: {exc.__class__.__name__}",
@@ -356,7 +356,7 @@ class Cluster:
         async with self._engine.begin() as conn:
             await store.set_ejections(conn, self.proxy_id, self._balancer.own_ejections(), REPLICA_CHANNEL)
         async with self._engine.connect() as conn:
-            elsewhere = await store.ejected_elsewhere(conn, self.proxy_id, self._settings.lease_s)
+            elsewhere = await store.ejected_elsewhere(conn, self.proxy_id, self._settings.dead_after_s)
         self._balancer.set_ejected_elsewhere(elsewhere)
 
     async def _heartbeat_loop(self) -> None:
@@ -371,7 +371,7 @@ class Cluster:
         async with self._engine.begin() as conn:
             if not await store.heartbeat(conn, self.proxy_id, self._balancer.in_flight, len(self.unleased)):
                 logger.error("cluster: this proxy was taken for dead (no heartbeat for %.0f s); joining again",
-                             self._settings.lease_s)
+                             self._settings.dead_after_s)
                 await store.register_proxy(conn, self.proxy_id, socket.gethostname(), os.getpid())
                 self.epoch = -1
         self._last_beat_ok = time.monotonic()
@@ -383,7 +383,7 @@ class Cluster:
     async def _reap(self) -> None:
         """Record the calls of dead proxies as `interrupted` (their leases), in one transaction."""
         async with self._engine.begin() as conn:
-            leases = await store.claim_dead_proxies(conn, self._settings.lease_s)
+            leases = await store.claim_dead_proxies(conn, self._settings.dead_after_s)
             if not leases:
                 return
             now = datetime.now(UTC)

@@ -251,13 +251,13 @@ class Relay:
                 # Every healthy replica was tried: try again where it said "busy" rather than fail.
                 replica = self._balancer.pick(call.rollout_id, call.attempt_id)
             call.replica = replica.shown_url  # recorded and shown: no credentials
-            lease = self._balancer.lease(replica)
+            seat = self._balancer.seat(replica)
             sent = time.perf_counter()
             try:
                 upstream = await self._upstream.post(replica.url, "/v1/" + call.route, payload, headers)
             except UpstreamUnavailable as exc:
                 call.upstream_s += time.perf_counter() - sent
-                lease.release(None)
+                seat.release(None)
                 self._balancer.mark_unreachable(replica, exc.message)
                 tried.add(replica.url)
                 if attempt == self._pool.max_retries:
@@ -265,15 +265,15 @@ class Relay:
                 logger.debug("retrying %s after %s", call.call_id, exc.message)
                 continue
             except BaseException:
-                lease.release(None)
+                seat.release(None)
                 raise
             call.answered(upstream.status, sent)  # response headers are the replica's first bytes
             if upstream.status in _RETRY_STATUSES and attempt < self._pool.max_retries:
                 upstream.release()
-                lease.release(upstream.status)
+                seat.release(upstream.status)
                 tried.add(replica.url)
                 continue
-            call.replica_lease = lease  # given back in `record`, however the call ends
+            call.replica_seat = seat  # given back in `record`, however the call ends
             return upstream
         raise AssertionError("unreachable")  # the loop returns or raises
 
@@ -381,10 +381,10 @@ class Relay:
         """Queue the call's record (sealed again if anything changed since it was). Once per call."""
         record = call.sealed if not call.dirty and call.sealed is not None else await self.seal(call)
         self._drain.call_ended()
-        if call.replica_lease is not None:
+        if call.replica_seat is not None:
             if call.source_failed:
-                self._balancer.mark_unreachable(call.replica_lease.replica, str((call.error or {}).get("message")))
-            call.replica_lease.release(call.http_status)
+                self._balancer.mark_unreachable(call.replica_seat.replica, str((call.error or {}).get("message")))
+            call.replica_seat.release(call.http_status)
         if call.has_slot:  # given back once, here, however the call ended
             call.has_slot = False
             self._slots.give(call.agent)

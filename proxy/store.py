@@ -481,9 +481,9 @@ async def save_base_policy(conn: AsyncConnection, served_name: str) -> None:
 
 # -- the cluster: several proxies on one PostgreSQL database (`proxy.cluster`) --------------
 
-def _expired(lease_s: float) -> Any:
+def _expired(dead_after_s: float) -> Any:
     """Heartbeats older than this are dead proxies' (the database's clock: no skew between hosts)."""
-    return func.now() - timedelta(seconds=lease_s)
+    return func.now() - timedelta(seconds=dead_after_s)
 
 
 async def register_proxy(conn: AsyncConnection, proxy_id: str, host: str, pid: int) -> None:
@@ -504,12 +504,12 @@ async def heartbeat(conn: AsyncConnection, proxy_id: str, in_flight: int, unleas
     return bool(result.rowcount)
 
 
-async def unaccounted_proxies(conn: AsyncConnection, proxy_id: str, lease_s: float, stale_s: float) -> list[str]:
+async def unaccounted_proxies(conn: AsyncConnection, proxy_id: str, dead_after_s: float, stale_s: float) -> list[str]:
     """Live proxies (other than `proxy_id`) that may hold calls no lease row shows: silent for over
     `stale_s` (cut off from the database, so possibly serving unleased calls), or reporting some."""
     rows = await conn.execute(
         select(Proxy.proxy_id).where(
-            Proxy.proxy_id != proxy_id, Proxy.heartbeat_at > _expired(lease_s),
+            Proxy.proxy_id != proxy_id, Proxy.heartbeat_at > _expired(dead_after_s),
             (Proxy.heartbeat_at <= _expired(stale_s)) | (Proxy.unleased_calls > 0))
     )
     return [str(r[0]) for r in rows]
@@ -542,11 +542,11 @@ async def ack_epoch(conn: AsyncConnection, proxy_id: str, *, seen: int | None = 
     await conn.execute(update(Proxy).where(Proxy.proxy_id == proxy_id).values(**values))
 
 
-async def lagging_proxies(conn: AsyncConnection, epoch: int, lease_s: float, *, drained: bool) -> list[str]:
+async def lagging_proxies(conn: AsyncConnection, epoch: int, dead_after_s: float, *, drained: bool) -> list[str]:
     """Live proxies that have not yet applied (or, with `drained`, drained for) `epoch`."""
     column = Proxy.drained_epoch if drained else Proxy.seen_epoch
     rows = await conn.execute(
-        select(Proxy.proxy_id).where(Proxy.heartbeat_at > _expired(lease_s), column < epoch)
+        select(Proxy.proxy_id).where(Proxy.heartbeat_at > _expired(dead_after_s), column < epoch)
     )
     return [str(r[0]) for r in rows]
 
@@ -570,10 +570,10 @@ async def count_leases(conn: AsyncConnection, rollout_id: str, attempt_id: str) 
     )).scalar_one())
 
 
-async def claim_dead_proxies(conn: AsyncConnection, lease_s: float) -> list[dict[str, Any]]:
-    """Remove the rows of proxies silent for `lease_s` and take their leases (call it in a
+async def claim_dead_proxies(conn: AsyncConnection, dead_after_s: float) -> list[dict[str, Any]]:
+    """Remove the rows of proxies silent for `dead_after_s` and take their leases (call it in a
     transaction: one claimer wins; the others find nothing). Returns the leases."""
-    await conn.execute(delete(Proxy).where(Proxy.heartbeat_at <= _expired(lease_s)))
+    await conn.execute(delete(Proxy).where(Proxy.heartbeat_at <= _expired(dead_after_s)))
     await conn.execute(delete(ReplicaEjection).where(ReplicaEjection.proxy_id.not_in(select(Proxy.proxy_id))))
     # Leases of any proxy without a row: the ones just removed, and any left by an earlier claimer's crash.
     orphans = (await conn.execute(
@@ -600,9 +600,9 @@ async def set_ejections(conn: AsyncConnection, proxy_id: str, ejected: dict[str,
     return bool(gone or new)
 
 
-async def ejected_elsewhere(conn: AsyncConnection, proxy_id: str, lease_s: float) -> set[str]:
+async def ejected_elsewhere(conn: AsyncConnection, proxy_id: str, dead_after_s: float) -> set[str]:
     """Replicas that another live proxy holds ejected."""
     rows = await conn.execute(
         select(ReplicaEjection.url).distinct().join(Proxy, Proxy.proxy_id == ReplicaEjection.proxy_id)
-        .where(ReplicaEjection.proxy_id != proxy_id, Proxy.heartbeat_at > _expired(lease_s)))
+        .where(ReplicaEjection.proxy_id != proxy_id, Proxy.heartbeat_at > _expired(dead_after_s)))
     return {str(r[0]) for r in rows}

@@ -187,7 +187,8 @@ def arithmetic_attempt(proxy_url: str, rollout_id: str, attempt_id: str, task: A
                        max_tokens: int, http: httpx.Client, temperature: float = 1.0) -> Attempt:
     """One single-turn attempt: ask, score with `examples.agent.score`, report the reward with `finish`."""
     base_url = f"{proxy_url}/rollout/{rollout_id}/attempt/{attempt_id}/v1"
-    client = openai.OpenAI(base_url=base_url, api_key=AGENT_KEY, max_retries=3, http_client=http)
+    # openai accepts an `httpx.Client` (its check takes the legacy client) but types only its own httpx2 one.
+    client = openai.OpenAI(base_url=base_url, api_key=AGENT_KEY, max_retries=3, http_client=http)  # type: ignore[arg-type]
     out = client.chat.completions.create(model="policy", messages=[{"role": "user", "content": task.question}],
                                          max_tokens=max_tokens, temperature=temperature)
     reply = out.choices[0].message.content or ""

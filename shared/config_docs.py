@@ -18,7 +18,7 @@ from pathlib import PurePath
 from typing import Any
 
 from annotated_types import Ge, Gt, Le, Lt, MaxLen, MinLen
-from pydantic import BaseModel, SecretStr
+from pydantic import AliasChoices, BaseModel, SecretStr
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
@@ -123,6 +123,13 @@ def _default(info: FieldInfo) -> str:
     return f"`{value!r}`"
 
 
+def _aliases(name: str, info: FieldInfo) -> list[str]:
+    """The other names a setting is accepted under (`validation_alias=AliasChoices(name, old, ...)`)."""
+    alias = info.validation_alias
+    choices = alias.choices if isinstance(alias, AliasChoices) else [alias] if isinstance(alias, str) else []
+    return [c for c in choices if isinstance(c, str) and c != name]
+
+
 def _cell(text: str) -> str:
     return " ".join(text.split()).replace("|", "\\|")
 
@@ -142,7 +149,12 @@ def render() -> str:
             constraints = _constraints(info)
             if constraints:
                 kind += f" ({_cell(constraints)})"
-            out.append(f"| `{env}` | {kind} | {_default(info)} | {_cell(info.description or '')} |\n")
+            description = _cell(info.description or "")
+            aliases = _aliases(name, info)
+            if aliases:
+                older = ", ".join(f"`{ENV_PREFIX + ENV_DELIMITER.join((*path, a)).upper()}` (`{a}`)" for a in aliases)
+                description += f" Alias (its older name, still accepted): {older}."
+            out.append(f"| `{env}` | {kind} | {_default(info)} | {description} |\n")
     return "".join(out)
 
 

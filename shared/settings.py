@@ -16,7 +16,7 @@ from ipaddress import ip_network
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, SecretStr, field_validator
+from pydantic import AliasChoices, BaseModel, Field, SecretStr, field_validator
 from pydantic_settings import (
     BaseSettings,
     JsonConfigSettingsSource,
@@ -199,8 +199,9 @@ class ClusterSettings(BaseModel):
     heartbeat_s: float = Field(
         default=1.0, gt=0, description="Pause between heartbeats (and re-reads of the shared state)."
     )
-    lease_s: float = Field(
-        default=5.0, gt=0,
+    # `lease_s` was this setting's first name; configurations written with it keep working.
+    dead_after_s: float = Field(
+        default=5.0, gt=0, validation_alias=AliasChoices("dead_after_s", "lease_s"),
         description="A proxy silent this long is dead: it is no longer waited for, and its calls in flight are "
         "recorded `interrupted` by a live proxy.",
     )

@@ -60,7 +60,8 @@ def build(gguf_file: Path, out: Path) -> Path:
 
     folder, name = str(gguf_file.parent), gguf_file.name
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.bfloat16)
+    # Any: the quantizer attributes cleared below are set by the GGUF loader, not declared by the model class.
+    model: Any = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.bfloat16)
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
@@ -73,7 +74,9 @@ def build(gguf_file: Path, out: Path) -> Path:
         # Generation stops at the end of a turn or at the end of the text, whichever comes first.
         model.generation_config.eos_token_id = [tokenizer.convert_tokens_to_ids(end_of_turn), model.config.eos_token_id]
     else:
-        end_of_turn = tokenizer.convert_ids_to_tokens(model.config.eos_token_id)
+        eos_token = tokenizer.convert_ids_to_tokens(int(model.config.eos_token_id))
+        assert isinstance(eos_token, str)  # one id in, one token out
+        end_of_turn = eos_token
     model.save_pretrained(out)
     tokenizer.eos_token = end_of_turn
     if tokenizer.pad_token is None:

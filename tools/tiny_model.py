@@ -158,7 +158,7 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
         show_progress=False,
     )
     tok.train_from_iterator(training_text(), trainer=trainer)
-    fast = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
+    fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token=IM_END,  # chat turns end with <|im_end|>, so generation stops there
         pad_token=ENDOFTEXT,

@@ -47,7 +47,6 @@ __all__ = [
     "rollout_is_weights",
 ]
 
-AdvEstimator = Literal["grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gae"]
 ADV_ESTIMATORS: tuple[str, ...] = ("grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gae")
 KL_TYPES: tuple[str, ...] = ("low_var_kl", "k3", "kl", "k1", "abs", "mse", "k2", "low_var_kl+", "k3+")
 LOSS_AGG_MODES: tuple[str, ...] = (

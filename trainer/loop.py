@@ -183,11 +183,12 @@ def run_loop(
     pusher = _pusher(settings)
     updater = PolicyUpdater(ts.model, ts)
     try:
-        step = _resume(engine, updater, Path(ts.checkpoint_dir))
+        _resume(engine, updater, Path(ts.checkpoint_dir))
         base_name = _base_name(engine, settings, pusher)
-        if pusher is not None and step > 0:
-            _repush_if_needed(pusher, engine, step, run_dir, updater, base_name)
-        while step < ts.max_steps and not should_stop():
+        if pusher is not None and updater.step > 0:
+            _repush_if_needed(pusher, engine, updater.step, run_dir, updater, base_name)
+        # One step counter: the updater's (saved in and restored from its checkpoints).
+        while updater.step < ts.max_steps and not should_stop():
             started = time.perf_counter()
             data = _wait_for_data(engine, settings, tokenizer, should_stop)
             if data is None:
@@ -199,7 +200,7 @@ def run_loop(
             t = time.perf_counter()
             metrics.update(updater.update(batch))
             metrics["update_s"] = time.perf_counter() - t
-            step += 1
+            step = updater.step  # counted by the update
             _crash_point("after_update", step)
             t = time.perf_counter()
             updater.save_checkpoint()
@@ -250,17 +251,17 @@ def _base_name(engine: Engine, settings: Settings, pusher: WeightPusher | None) 
     return settings.trainer.served_name or Path(str(settings.trainer.model)).name
 
 
-def _resume(engine: Engine, updater: PolicyUpdater, checkpoint_dir: Path) -> int:
+def _resume(engine: Engine, updater: PolicyUpdater, checkpoint_dir: Path) -> None:
+    """Restore the updater (its step included) from the checkpoint of the last committed step."""
     committed = last_committed_step(engine)
     if committed == 0:
-        return 0
+        return
     path = checkpoint_dir / f"step_{committed:08d}"
     if not path.is_dir():
         raise RuntimeError(f"step {committed} is committed but its checkpoint {path} is missing; cannot resume "
                            "without repeating or skipping data")
     updater.load_checkpoint(path)
     logger.info("resumed at committed step %d from %s", committed, path)
-    return committed
 
 
 def _repush_if_needed(pusher: WeightPusher, engine: Engine, step: int, run_dir: Path, updater: PolicyUpdater,

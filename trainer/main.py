@@ -1,9 +1,9 @@
 """`rolltap-trainer`: the trainer's command line.
 
-Subcommands: `export` (triplets to JSONL/Parquet, optionally consuming them),
-`export-sft` (chat conversations in OpenAI's fine-tuning format), `stats`. A `run`
-subcommand (the training loop) comes later. Settings come from `Settings()`
-(environment, `ROLLTAP_CONFIG`); flags override them.
+Subcommands: `run` (the training loop, `trainer/loop.py`), `export` (triplets to
+JSONL/Parquet, optionally consuming them), `export-sft` (chat conversations in OpenAI's
+fine-tuning format), `stats`. Settings come from `Settings()` (environment,
+`ROLLTAP_CONFIG`); flags override them.
 """
 
 from __future__ import annotations

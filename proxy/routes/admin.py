@@ -158,6 +158,7 @@ async def _persist_replica(request: Request, url: str, weight_mode: str, state: 
 
 @router.get("/replicas")
 async def list_replicas(request: Request) -> dict[str, Any]:
+    """The replicas, their health, load and weight mode, and the pool's policy."""
     balancer = request.app.state.balancer
     return {"object": "list", "policy": request.app.state.settings.proxy.pool.policy,
             "data": [r.describe() for r in balancer.replicas]}
@@ -165,6 +166,7 @@ async def list_replicas(request: Request) -> dict[str, Any]:
 
 @router.post("/replicas", status_code=201)
 async def add_replica(body: ReplicaIn, request: Request) -> dict[str, Any]:
+    """Add a replica to the pool (`{"url", "weight_mode"?}`); it serves once its probe passes."""
     replica: ReplicaState = request.app.state.balancer.add(body.url, body.weight_mode)
     await _persist_replica(request, replica.shown_url, replica.weight_mode, "active")
     return replica.describe()
@@ -172,6 +174,7 @@ async def add_replica(body: ReplicaIn, request: Request) -> dict[str, Any]:
 
 @router.delete("/replicas")
 async def remove_replica(url: str, request: Request) -> dict[str, Any]:
+    """Remove a replica (`?url=`) from the pool at once."""
     replica = request.app.state.balancer.remove(url.rstrip("/").removesuffix("/v1"))
     await _persist_replica(request, replica.shown_url, replica.weight_mode, "removed")
     return {**replica.describe(), "state": "removed"}
@@ -179,6 +182,7 @@ async def remove_replica(url: str, request: Request) -> dict[str, Any]:
 
 @router.post("/replicas/drain")
 async def drain_replica(body: DrainIn, request: Request) -> dict[str, Any]:
+    """Send no new calls to a replica; with `wait`, return once its calls in flight have ended."""
     replica = request.app.state.balancer.drain(body.url)
     await _persist_replica(request, replica.shown_url, replica.weight_mode, "draining")
     if body.wait:
@@ -195,6 +199,7 @@ async def drain_replica(body: DrainIn, request: Request) -> dict[str, Any]:
 
 @router.get("/policy")
 async def get_policy(request: Request) -> dict[str, Any]:
+    """The active policy version and the model name calls are rewritten to."""
     policy = request.app.state.policy
     return {"object": "rolltap.policy", "version": policy.version, "served_name": policy.served_name}
 
@@ -242,6 +247,7 @@ async def pause(body: PauseIn, request: Request) -> dict[str, Any]:
 
 @router.post("/resume")
 async def resume(request: Request) -> dict[str, Any]:
+    """Admit new calls again after a pause (on every live proxy sharing the database)."""
     if request.app.state.cluster is not None:
         await request.app.state.cluster.resume()
     else:

@@ -22,6 +22,7 @@ REPLICA_HEALTHY = Gauge("rolltap_replica_healthy", "1 when the replica passes it
 
 @router.get("/healthz")
 async def healthz() -> dict[str, str]:
+    """Liveness: the process answers."""
     return {"status": "ok"}
 
 
@@ -45,6 +46,7 @@ def _local_storage_error(request: Request) -> str | None:
 
 @router.get("/readyz")
 async def readyz(request: Request) -> Response:
+    """Readiness: the database reachable and a replica healthy, not draining (503 otherwise); `degraded` with dead letters or a full disk."""
     state = request.app.state
     checks: dict[str, Any] = {
         "database": await _database_ok(request) and state.recorder.is_db_healthy,
@@ -65,6 +67,7 @@ async def readyz(request: Request) -> Response:
 
 @router.get("/metrics", response_class=PlainTextResponse)
 async def metrics(request: Request) -> Response:
+    """Prometheus metrics (`proxy/metrics.py`)."""
     DEAD_LETTER_RECORDS.set(request.app.state.recorder.dead_letter_records)
     for replica in request.app.state.balancer.replicas:
         REPLICA_IN_FLIGHT.labels(replica.shown_url).set(replica.in_flight)

@@ -136,6 +136,7 @@ async def _barrier(request: Request, key: tuple[str, str], timeout_s: float) -> 
 @router.post("/rollouts", openapi_extra={"requestBody": {"required": True, "content": {
     "application/json": {"schema": RolloutIn.model_json_schema()}}}})
 async def register_rollout(body: Annotated[RolloutIn, Depends(rollout_body)], request: Request) -> dict[str, Any]:
+    """Register a rollout (optional): `{"rollout_id", "group_id"?, "task"?, "metadata"?}`."""
     recorder, settings = _collaborators(request)
     rollout_id = check_id(body.rollout_id, "rollout_id")
     group_id = check_id(body.group_id, "group_id") if body.group_id is not None else None
@@ -154,6 +155,7 @@ async def register_rollout(body: Annotated[RolloutIn, Depends(rollout_body)], re
 
 @router.post("/rollout/{rollout_id}/attempt/{attempt_id}/reward")
 async def post_reward(key: AttemptKey, body: RewardIn, request: Request) -> dict[str, Any]:
+    """Post a reward for an attempt: `{"value", "name"?, "call_id"?}`; several per attempt allowed."""
     recorder, settings = _collaborators(request)
     _check_reward(body.value, "value", settings)
     if body.call_id is not None:
@@ -169,7 +171,9 @@ async def post_reward(key: AttemptKey, body: RewardIn, request: Request) -> dict
 
 @router.post("/rollout/{rollout_id}/attempt/{attempt_id}/finish")
 async def finish(key: AttemptKey, body: FinishIn, request: Request) -> dict[str, Any]:
-    """Returns only once every call of the attempt that reached this proxy (or, in a cluster, any
+    """End an attempt: `{"status": "succeeded"|"failed"|"cancelled", "reward"?}`; a flush barrier.
+
+    Returns only once every call of the attempt that reached this proxy (or, in a cluster, any
     proxy) is committed."""
     recorder, settings = _collaborators(request)
     _check_reward(body.reward, "reward", settings)
@@ -195,6 +199,7 @@ async def finish(key: AttemptKey, body: FinishIn, request: Request) -> dict[str,
 
 @router.get("/rollout/{rollout_id}/attempt/{attempt_id}")
 async def get_attempt(key: AttemptKey, request: Request) -> Response:
+    """The attempt: its calls in order, rewards and status."""
     recorder, settings = _collaborators(request)
     # Calls that already answered should be visible even before `finish`.
     await _barrier(request, key, settings.finish_timeout_s)

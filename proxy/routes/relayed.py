@@ -51,6 +51,7 @@ def _tracked(route: str):  # type: ignore[no-untyped-def]
         return await relay_post(request, route, request.path_params["rollout_id"], request.path_params["attempt_id"])
 
     endpoint.__name__ = "tracked_" + route.replace("/", "_")
+    endpoint.__doc__ = f"Relayed to a replica and recorded in the attempt (`{route}`)."
     return endpoint
 
 
@@ -59,10 +60,12 @@ def _untracked(route: str):  # type: ignore[no-untyped-def]
         return await relay_post(request, route, None, None)
 
     endpoint.__name__ = "untracked_" + route.replace("/", "_")
+    endpoint.__doc__ = f"Relayed to a replica; recorded as untracked traffic, no attempt (`{route}`)."
     return endpoint
 
 
 async def tracked_models(request: Request) -> Response:
+    """A healthy replica's model list, as it sent it (clients probe it at start); not recorded."""
     rollout_id = check_id(request.path_params["rollout_id"], "rollout_id")
     check_id(request.path_params["attempt_id"], "attempt_id")
     await _keys(request).authenticate(request.scope["headers"], rollout_id)
@@ -70,6 +73,7 @@ async def tracked_models(request: Request) -> Response:
 
 
 async def untracked_models(request: Request) -> Response:
+    """The same model list, without ids."""
     await _keys(request).authenticate(request.scope["headers"], None)
     return await _relay(request).models()
 

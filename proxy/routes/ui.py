@@ -87,11 +87,13 @@ def _denied() -> HTMLResponse:
 
 @router.get("/login")
 async def login_form() -> HTMLResponse:
+    """The dashboard's sign-in form."""
     return _html(ui.login_html())
 
 
 @router.post("/login")
 async def login(request: Request) -> Response:
+    """Sign in with the admin token or a read key; sets the session cookie."""
     # A urlencoded form, read by hand: no multipart parser needed for one field.
     token = (parse_qs((await request.body()).decode("utf-8", "replace")).get("token") or [""])[0].strip()
     if not await _may_read(request, token or None) or not token:
@@ -104,6 +106,7 @@ async def login(request: Request) -> Response:
 
 @router.get("/static/{name}")
 async def static(name: str) -> Response:
+    """The dashboard's static files (a fixed list)."""
     if name not in _STATIC_FILES:
         return Response(status_code=404)
     return FileResponse(_STATIC / name, media_type=_STATIC_FILES[name], headers={"cache-control": "max-age=300"})
@@ -171,6 +174,7 @@ def _filters(q: QueryParams) -> dashboard.AttemptFilter:
 
 @router.get("")
 async def attempts(request: Request) -> Response:
+    """The dashboard's attempt list: filters, newest first, keyset-paginated."""
     if not await _may_read(request, _token(request)):
         return _denied()
     q = request.query_params
@@ -188,6 +192,7 @@ async def attempts(request: Request) -> Response:
 
 @router.get("/attempt/{rollout_id}/{attempt_id}")
 async def attempt(request: Request, rollout_id: str, attempt_id: str) -> Response:
+    """One attempt on the dashboard: its calls, rewards and drops."""
     if not await _may_read(request, _token(request)):
         return _denied()
     try:
@@ -203,6 +208,7 @@ async def attempt(request: Request, rollout_id: str, attempt_id: str) -> Respons
 
 @router.get("/charts")
 async def charts(request: Request) -> Response:
+    """Per-version training curves: reward, calls left out, staleness."""
     if not await _may_read(request, _token(request)):
         return _denied()
     async with request.app.state.reader.connect() as conn:

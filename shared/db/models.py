@@ -2,7 +2,8 @@
 
 The schema changes only through alembic migrations (`shared/db/migrations`); a test
 checks that the migrations produce exactly these models on both backends.
-`docs/schema.md` documents every table.
+`docs/schema.md` is generated from these classes (`python -m shared.schema_docs`): each class's
+docstring says what its table holds, each column's `doc` what it means.
 
 Calls and attempts are keyed by the caller's string ids (`rollout_id`, `attempt_id`)
 rather than surrogate keys, so the proxy's writer never needs a lookup round trip
@@ -71,22 +72,28 @@ def _now() -> Any:
 
 
 class Rollout(Base):
-    """A task instance. Registration is optional; the first call creates the row."""
+    """A task instance. Created by its first call, or registered by `POST /rollouts`."""
 
     __tablename__ = "rollouts"
 
     rollout_id: Mapped[str] = mapped_column(String(ID_LEN), primary_key=True)
-    group_id: Mapped[str | None] = mapped_column(String(ID_LEN), index=True)
-    task: Mapped[Any | None] = mapped_column(Json)
-    meta: Mapped[dict[str, Any] | None] = mapped_column("metadata", Json)
-    # {"task", "metadata"} exactly, as ASCII JSON text, when the queryable copies above had to
-    # change to be storable (U+0000, lone surrogates, numbers beyond float64); else NULL.
-    json_exact: Mapped[str | None] = mapped_column(Text)
+    group_id: Mapped[str | None] = mapped_column(
+        String(ID_LEN), index=True, doc="The GRPO group its attempts join; NULL: the rollout is its own group.")
+    task: Mapped[Any | None] = mapped_column(Json, doc="As registered; a queryable copy, see `json_exact`.")
+    meta: Mapped[dict[str, Any] | None] = mapped_column(
+        "metadata", Json, doc="As registered; a queryable copy, see `json_exact`.")
+    json_exact: Mapped[str | None] = mapped_column(
+        Text, doc='(0008) `{"task", "metadata"}` exactly, as ASCII JSON text, when the queryable copies had to '
+        "change to be storable (U+0000, lone surrogates, numbers beyond float64); else NULL.")
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=_now())
 
 
 class Attempt(Base):
-    """One try at a rollout; its calls, rewards and status. Attempts of a group are GRPO samples."""
+    """One try at a rollout; its calls, rewards and status. Attempts of a group are GRPO samples.
+
+    The indexes on (`status`, `id`), (`policy_version`, `id`) and `created_at` (0005) serve the
+    dashboard's list, newest first, keyset-paginated.
+    """
 
     __tablename__ = "attempts"
     __table_args__ = (
@@ -102,17 +109,19 @@ class Attempt(Base):
         String(ID_LEN), ForeignKey("rollouts.rollout_id", name="fk_attempts_rollout"), nullable=False
     )
     attempt_id: Mapped[str] = mapped_column(String(ID_LEN), nullable=False)
-    # running -> succeeded | failed | cancelled (set by `finish`)
-    status: Mapped[str] = mapped_column(String(16), nullable=False, server_default="running", index=True)
-    # Calls recorded so far; the writer takes sequence numbers from it under a row lock.
-    num_calls: Mapped[int] = mapped_column(Integer, nullable=False, server_default="0")
-    policy_version: Mapped[int | None] = mapped_column(Integer)
+    status: Mapped[str] = mapped_column(
+        String(16), nullable=False, server_default="running", index=True,
+        doc="`running`, then `succeeded`, `failed` or `cancelled` (set by `finish`).")
+    num_calls: Mapped[int] = mapped_column(
+        Integer, nullable=False, server_default="0",
+        doc="Calls recorded so far; the writer takes sequence numbers from it under a row lock.")
+    policy_version: Mapped[int | None] = mapped_column(Integer, doc="The policy version of its first call.")
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=_now())
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), index=True)
 
 
 class Call(Base):
-    """One recorded request/response, exactly once whatever its end."""
+    """One relayed call, recorded exactly once whatever its end (`docs/recording.md`)."""
 
     __tablename__ = "calls"
     __table_args__ = (
@@ -126,40 +135,58 @@ class Call(Base):
     )
 
     id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
-    call_id: Mapped[str] = mapped_column(String(40), nullable=False, unique=True)
-    # NULL for untracked traffic on plain /v1/... routes.
-    rollout_id: Mapped[str | None] = mapped_column(String(ID_LEN))
-    attempt_id: Mapped[str | None] = mapped_column(String(ID_LEN))
-    seq: Mapped[int | None] = mapped_column(Integer)
-    route: Mapped[str] = mapped_column(String(64), nullable=False)
-    is_streaming: Mapped[bool] = mapped_column(Boolean, nullable=False)
-    # ok | upstream_error | failed | client_disconnected | invalid_request
-    status: Mapped[str] = mapped_column(String(24), nullable=False)
-    http_status: Mapped[int | None] = mapped_column(Integer)
-    error: Mapped[dict[str, Any] | None] = mapped_column(Json)
-    request: Mapped[Any | None] = mapped_column(Json)
-    response: Mapped[Any | None] = mapped_column(Json)
-    response_truncated: Mapped[bool] = mapped_column(Boolean, nullable=False, server_default=false())
-    # The exact bytes the client sent, and those the replica sent (which the client received
-    # unchanged; cut at `max_body_bytes`, see `response_truncated`). `request`/`response`
-    # above are parsed, queryable copies of them.
-    request_body: Mapped[bytes | None] = mapped_column(LargeBinary)
-    response_body: Mapped[bytes | None] = mapped_column(LargeBinary)
-    # {"request", "response", "error"} exactly, as ASCII JSON text, when the queryable copies
-    # had to change to be storable (U+0000, lone surrogates, non-finite numbers); else NULL.
-    json_exact: Mapped[str | None] = mapped_column(Text)
-    prompt_token_ids: Mapped[list[Any] | None] = mapped_column(Json)
-    completion_token_ids: Mapped[list[Any] | None] = mapped_column(Json)
-    completion_logprobs: Mapped[list[Any] | None] = mapped_column(Json)
-    finish_reason: Mapped[str | None] = mapped_column(String(32))
-    usage: Mapped[dict[str, Any] | None] = mapped_column(Json)
-    replica: Mapped[str | None] = mapped_column(String(512))
-    policy_version: Mapped[int | None] = mapped_column(Integer)
-    requested_model: Mapped[str | None] = mapped_column(String(256))
-    served_model: Mapped[str | None] = mapped_column(String(256))
-    started_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False)
-    first_byte_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
-    ended_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False)
+    call_id: Mapped[str] = mapped_column(
+        String(40), nullable=False, unique=True,
+        doc="`call-<uuid hex>`, also sent to the client as `x-rolltap-call-id`.")
+    rollout_id: Mapped[str | None] = mapped_column(String(ID_LEN), doc="NULL for untracked `/v1` traffic.")
+    attempt_id: Mapped[str | None] = mapped_column(String(ID_LEN), doc="NULL for untracked `/v1` traffic.")
+    seq: Mapped[int | None] = mapped_column(
+        Integer, doc="0, 1, ... in the attempt (`docs/recording.md`); NULL for untracked traffic.")
+    route: Mapped[str] = mapped_column(
+        String(64), nullable=False,
+        doc="`chat/completions`, `completions`, `messages`, `responses` (or the `/v1` path of an untracked call).")
+    is_streaming: Mapped[bool] = mapped_column(Boolean, nullable=False, doc="The client asked for a stream.")
+    status: Mapped[str] = mapped_column(
+        String(24), nullable=False,
+        doc="How it ended: `ok`, `upstream_error`, `failed`, `client_disconnected`, `invalid_request`, `interrupted`.")
+    http_status: Mapped[int | None] = mapped_column(Integer, doc="The status the client got.")
+    error: Mapped[dict[str, Any] | None] = mapped_column(Json, doc="The error object, if any.")
+    request: Mapped[Any | None] = mapped_column(
+        Json, doc="The JSON body as sent upstream (after the proxy's additions); a queryable copy, see `json_exact`.")
+    response: Mapped[Any | None] = mapped_column(
+        Json, doc="The JSON response; for streams, assembled into the non-streamed shape. When `response_truncated`, "
+        'parsed from the bytes kept (a whole response as `{"raw": its first 4 KiB}`, a stream from the events '
+        "kept). A queryable copy, see `json_exact`.")
+    response_truncated: Mapped[bool] = mapped_column(
+        Boolean, nullable=False, server_default=false(),
+        doc="The response exceeded `max_body_bytes`; the token columns still hold the whole answer's.")
+    request_body: Mapped[bytes | None] = mapped_column(
+        LargeBinary, doc="(0003) The exact bytes the client sent, whatever they are (invalid JSON and UTF-8 "
+        "included); `request` is a parsed copy. NULL for calls recorded before 0003.")
+    response_body: Mapped[bytes | None] = mapped_column(
+        LargeBinary, doc="(0003) The exact bytes the replica sent, which the client received unchanged (for streams "
+        "the SSE bytes, with the proxy's own final error event when it added one); cut at `max_body_bytes`. "
+        "NULL before 0003 and for calls that got no answer.")
+    json_exact: Mapped[str | None] = mapped_column(
+        Text, doc='(0003) `{"request", "response", "error"}` exactly, as ASCII JSON text, when the queryable '
+        "copies had to change to be storable (U+0000 and lone surrogates become U+FFFD there, numbers beyond "
+        "float64 null); else NULL. Readers (GET attempt, the trainer) overlay it.")
+    prompt_token_ids: Mapped[list[Any] | None] = mapped_column(Json, doc="Exact prompt token IDs from the replica.")
+    completion_token_ids: Mapped[list[Any] | None] = mapped_column(
+        Json, doc="Exact completion token IDs from the replica (first choice).")
+    completion_logprobs: Mapped[list[Any] | None] = mapped_column(Json, doc="One logprob per completion token.")
+    finish_reason: Mapped[str | None] = mapped_column(String(32), doc="From the response.")
+    usage: Mapped[dict[str, Any] | None] = mapped_column(
+        Json, doc="From the response; computed from token counts when a stream carried none.")
+    replica: Mapped[str | None] = mapped_column(String(512), doc="Where it ran (credentials written `***@`).")
+    policy_version: Mapped[int | None] = mapped_column(Integer, doc="The policy version active when it started.")
+    requested_model: Mapped[str | None] = mapped_column(
+        String(256), doc="The model the client named (made storable, cut to the column; exact in the bodies).")
+    served_model: Mapped[str | None] = mapped_column(String(256), doc="The model sent upstream.")
+    started_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False, doc="Arrival.")
+    first_byte_at: Mapped[datetime | None] = mapped_column(
+        DateTime(timezone=True), doc="The replica's first byte (response headers).")
+    ended_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False, doc="The last byte.")
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=_now())
 
 
@@ -168,7 +195,7 @@ class UndurableCall(Base):
 
     The record itself waits in the spool's `dead/` folder; `rolltap-proxy spool replay` writes
     it once the cause is fixed and deletes this row. While a row exists, its attempt is not
-    durable: `finish` says so, GET attempt lists it, and the trainer does not use the attempt.
+    durable: `finish` answers 507, GET attempt lists it, and the trainer skips the attempt (0003).
     """
 
     __tablename__ = "undurable_calls"
@@ -177,7 +204,7 @@ class UndurableCall(Base):
     call_id: Mapped[str] = mapped_column(String(40), primary_key=True)
     rollout_id: Mapped[str | None] = mapped_column(String(ID_LEN))
     attempt_id: Mapped[str | None] = mapped_column(String(ID_LEN))
-    reason: Mapped[str] = mapped_column(Text, nullable=False)
+    reason: Mapped[str] = mapped_column(Text, nullable=False, doc="Why the database refused the record.")
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=_now())
 
 
@@ -198,8 +225,8 @@ class Reward(Base):
     rollout_id: Mapped[str] = mapped_column(String(ID_LEN), nullable=False)
     attempt_id: Mapped[str] = mapped_column(String(ID_LEN), nullable=False)
     value: Mapped[float] = mapped_column(Float, nullable=False)
-    name: Mapped[str | None] = mapped_column(String(128))
-    call_id: Mapped[str | None] = mapped_column(String(40))
+    name: Mapped[str | None] = mapped_column(String(128), doc="Optional; `final` when given with `finish`.")
+    call_id: Mapped[str | None] = mapped_column(String(40), doc="Optional: the call it rewards.")
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=_now())
 
 
@@ -209,10 +236,11 @@ class PolicyVersion(Base):
     __tablename__ = "policy_versions"
 
     version: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
-    served_name: Mapped[str] = mapped_column(String(256), nullable=False)
+    served_name: Mapped[str] = mapped_column(
+        String(256), nullable=False, doc="The model name calls are rewritten to (base model or LoRA adapter).")
     base_model: Mapped[str | None] = mapped_column(String(256))
-    kind: Mapped[str] = mapped_column(String(16), nullable=False)  # base | lora | full
-    path: Mapped[str | None] = mapped_column(Text)
+    kind: Mapped[str] = mapped_column(String(16), nullable=False, doc="`base`, `lora` or `full`.")
+    path: Mapped[str | None] = mapped_column(Text, doc="Where its weights or adapter were exported.")
     is_active: Mapped[bool] = mapped_column(Boolean, nullable=False, server_default=false())
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=_now())
 
@@ -222,9 +250,11 @@ class Replica(Base):
 
     __tablename__ = "replicas"
 
-    url: Mapped[str] = mapped_column(String(512), primary_key=True)
-    weight_mode: Mapped[str] = mapped_column(String(16), nullable=False, server_default="none")
-    state: Mapped[str] = mapped_column(String(16), nullable=False, server_default="active")
+    url: Mapped[str] = mapped_column(String(512), primary_key=True, doc="Credentials in it written `***@`.")
+    weight_mode: Mapped[str] = mapped_column(
+        String(16), nullable=False, server_default="none", doc="`none`, `lora` or `full`.")
+    state: Mapped[str] = mapped_column(
+        String(16), nullable=False, server_default="active", doc="`active`, `draining` or `removed`.")
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=_now())
     updated_at: Mapped[datetime] = mapped_column(
         DateTime(timezone=True), server_default=_now(), onupdate=_now()
@@ -237,7 +267,7 @@ class TrainingStep(Base):
     __tablename__ = "training_steps"
 
     step: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
-    policy_version: Mapped[int | None] = mapped_column(Integer)
+    policy_version: Mapped[int | None] = mapped_column(Integer, doc="The policy version it produced.")
     metrics: Mapped[dict[str, Any] | None] = mapped_column(Json)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=_now())
 
@@ -265,8 +295,10 @@ class CallDrop(Base):
     )
     rollout_id: Mapped[str] = mapped_column(String(ID_LEN), nullable=False)
     attempt_id: Mapped[str] = mapped_column(String(ID_LEN), nullable=False)
-    # not_ok | no_tokens | empty_completion | logprobs_mismatch | prompt_too_long | response_too_long | truncated
-    reason: Mapped[str] = mapped_column(String(32), nullable=False, index=True)
+    reason: Mapped[str] = mapped_column(
+        String(32), nullable=False, index=True,
+        doc="`not_ok`, `no_tokens`, `empty_completion`, `logprobs_mismatch`, `prompt_too_long`, "
+        "`response_too_long` or `truncated`.")
     detail: Mapped[str | None] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=_now())
 
@@ -298,39 +330,56 @@ class ExportAttempt(Base):
 
 
 class AgentKey(Base):
-    """An agent API key, stored as the SHA-256 of the key (the key itself is shown once, at creation)."""
+    """An agent API key, stored as the SHA-256 of the key (the key itself is shown once, at creation).
+
+    Managed by `rolltap-proxy keys` (0004).
+    """
 
     __tablename__ = "agent_keys"
 
     id: Mapped[str] = mapped_column(String(32), primary_key=True)
     key_hash: Mapped[str] = mapped_column(String(64), nullable=False, unique=True)
     name: Mapped[str | None] = mapped_column(String(128))
-    # Calls, rewards, finish and reads of rollouts whose id starts with this; NULL: every rollout.
-    rollout_prefix: Mapped[str | None] = mapped_column(String(ID_LEN))
-    max_concurrency: Mapped[int | None] = mapped_column(Integer)
+    rollout_prefix: Mapped[str | None] = mapped_column(
+        String(ID_LEN), doc="Its scope: calls, rewards, finish and reads of rollouts whose id starts with this; "
+        "NULL: every rollout.")
+    max_concurrency: Mapped[int | None] = mapped_column(
+        Integer, doc="Its calls in flight per proxy process; NULL: `proxy.limits.max_calls_per_key`.")
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=_now())
     revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
 
 
 class Proxy(Base):
-    """A live proxy process: its heartbeat, and the last shared state epoch it applied and drained for."""
+    """A live proxy process (0006): its heartbeat, and the last shared state epoch it applied and drained for.
+
+    Removed on a clean stop, or by a live proxy once silent for `proxy.cluster.dead_after_s`.
+    """
 
     __tablename__ = "proxies"
 
-    proxy_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    proxy_id: Mapped[str] = mapped_column(String(64), primary_key=True, doc="`<host>-<pid>-<random>`.")
     host: Mapped[str] = mapped_column(String(256), nullable=False)
     pid: Mapped[int] = mapped_column(Integer, nullable=False)
     started_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=_now())
-    heartbeat_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=_now())
-    in_flight: Mapped[int] = mapped_column(Integer, nullable=False, server_default="0")
-    # Calls it sent upstream without a lease row (cut off from the database) not yet committed.
-    unleased_calls: Mapped[int] = mapped_column(Integer, nullable=False, server_default="0")
-    seen_epoch: Mapped[int] = mapped_column(BigInteger, nullable=False, server_default="0")
-    drained_epoch: Mapped[int] = mapped_column(BigInteger, nullable=False, server_default="0")
+    heartbeat_at: Mapped[datetime] = mapped_column(
+        DateTime(timezone=True), server_default=_now(),
+        doc="The database's clock at its last heartbeat (every `proxy.cluster.heartbeat_s`).")
+    in_flight: Mapped[int] = mapped_column(Integer, nullable=False, server_default="0", doc="Its calls in flight.")
+    unleased_calls: Mapped[int] = mapped_column(
+        Integer, nullable=False, server_default="0",
+        doc="(0009) Calls it sent upstream without a lease row (cut off from the database), not yet committed.")
+    seen_epoch: Mapped[int] = mapped_column(
+        BigInteger, nullable=False, server_default="0", doc="The shared-state epoch it applied.")
+    drained_epoch: Mapped[int] = mapped_column(
+        BigInteger, nullable=False, server_default="0", doc="The epoch it drained its calls in flight for.")
 
 
 class CallLease(Base):
-    """A tracked call in flight on some proxy; deleted in the transaction that commits its record."""
+    """A tracked call in flight on some proxy (0006); deleted in the transaction that commits its record.
+
+    `finish` waits until its attempt has none; a dead proxy's leases become `interrupted` records
+    (error code `proxy_lost`).
+    """
 
     __tablename__ = "call_leases"
     __table_args__ = (
@@ -347,9 +396,10 @@ class CallLease(Base):
 
 
 class ReplicaEjection(Base):
-    """A replica a live proxy ejected (`proxy.cluster`): out of every proxy's pool while any live
-    proxy holds a row for it. Only the ejecting proxy deletes its row (its probe passed again
-    after the hold); a dead proxy's rows go with its registry row."""
+    """A replica a live proxy ejected (0007, `proxy.cluster`): out of every proxy's pool while any
+    live proxy holds a row for it; `pg_notify`d on channel `rolltap_replicas`. Only the ejecting
+    proxy deletes its row (its probe passed again, no sooner than `proxy.cluster.eject_hold_s`, or
+    it stops); a dead proxy's rows go with its registry row."""
 
     __tablename__ = "replica_ejections"
 
@@ -360,8 +410,9 @@ class ReplicaEjection(Base):
 
 
 class ClusterState(Base):
-    """The one row of state every proxy on the database shares: the admission pause, and an
-    epoch bumped on every change (pause, resume, policy) that proxies acknowledge."""
+    """The one row (`id` 1) of state every proxy on the database shares (0006): the admission pause,
+    and an epoch bumped (and `pg_notify`d on channel `rolltap_cluster`) on every change (pause,
+    resume, policy) that proxies acknowledge."""
 
     __tablename__ = "cluster_state"
 

@@ -41,9 +41,9 @@ from tests.support.servers import free_port, serve_in_thread
 from tests.support.tcp_tap import TcpTap
 
 AUTH = {"authorization": "Bearer t"}
-LEASE_S = 2.0
+DEAD_AFTER_S = 2.0
 HEARTBEAT_S = 0.25
-CLUSTER_ENV = {"ROLLTAP_PROXY__ADMIN_TOKEN": "t", "ROLLTAP_PROXY__CLUSTER__LEASE_S": str(LEASE_S),
+CLUSTER_ENV = {"ROLLTAP_PROXY__ADMIN_TOKEN": "t", "ROLLTAP_PROXY__CLUSTER__DEAD_AFTER_S": str(DEAD_AFTER_S),
                "ROLLTAP_PROXY__CLUSTER__HEARTBEAT_S": str(HEARTBEAT_S), "ROLLTAP_PROXY__MODEL": "fault-model"}
 
 
@@ -224,7 +224,7 @@ def test_kill9_of_one_proxy_under_load(tmp_path: Path) -> None:
         assert after and all(complete for _, complete in after)
 
         # Within the lease time (plus a heartbeat to notice it), A's cut calls are recorded interrupted.
-        deadline = killed["at"] + LEASE_S + 2 * HEARTBEAT_S + 1.5
+        deadline = killed["at"] + DEAD_AFTER_S + 2 * HEARTBEAT_S + 1.5
         while True:
             rows = dict(_rows(db_url, "SELECT call_id, status FROM calls"))
             if all(rows.get(cid) == "interrupted" for cid in cut_on_a):
@@ -415,7 +415,7 @@ def test_a_restarted_proxy_upgrades_the_survivors_interrupted_records(tmp_path: 
                 assert answer.status_code == 200
                 calls[answer.headers["x-rolltap-call-id"]] = f"up{i}"
             a.kill9()
-            deadline = time.monotonic() + LEASE_S + 10
+            deadline = time.monotonic() + DEAD_AFTER_S + 10
             while {str(s) for _, s in _rows(db_url, "SELECT call_id, status FROM calls")} != {"interrupted"} \
                     or len(_rows(db_url, "SELECT call_id FROM calls")) < len(calls):
                 assert time.monotonic() < deadline, _rows(db_url, "SELECT call_id, status FROM calls")

@@ -166,3 +166,16 @@ def test_admin_token_is_secret(monkeypatch: pytest.MonkeyPatch) -> None:
         assert token not in text
     from_kwargs = Settings(proxy={"admin_token": token})
     assert token not in repr(from_kwargs)
+
+
+@pytest.mark.parametrize("name", ["dead_after_s", "lease_s"])
+def test_dead_after_s_keeps_its_old_name_lease_s(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # `lease_s` was the setting's first name: environments and config files written with it still work.
+    monkeypatch.setenv(f"ROLLTAP_PROXY__CLUSTER__{name.upper()}", "3.5")
+    assert Settings().proxy.cluster.dead_after_s == 3.5
+    monkeypatch.delenv(f"ROLLTAP_PROXY__CLUSTER__{name.upper()}")
+    path = tmp_path / "rolltap.yaml"
+    path.write_text(f"proxy:\n  cluster:\n    {name}: 7\n")
+    monkeypatch.setenv(CONFIG_ENV, str(path))
+    assert Settings().proxy.cluster.dead_after_s == 7.0
+    assert Settings(proxy={"cluster": {name: 2}}).proxy.cluster.dead_after_s == 2.0
