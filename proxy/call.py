@@ -21,8 +21,8 @@ if TYPE_CHECKING:
     from opentelemetry.trace import Span
 
     from proxy.access import AgentKey
-    from proxy.assemble import Extract, StreamTail
     from proxy.balancer import ReplicaLease
+    from proxy.formats import Extract, Format, StreamTail
 
 __all__ = ["CallState"]
 
@@ -46,6 +46,7 @@ class CallState:
     """What is known about one call while it runs; becomes its `CallRecord`."""
 
     route: str
+    format: Format  # the route's wire format (`proxy.formats.for_route`)
     rollout_id: str | None
     attempt_id: str | None
     call_id: str = field(default_factory=lambda: f"{_CALL_PREFIX}{next(_call_numbers):016x}")

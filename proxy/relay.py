@@ -31,18 +31,17 @@ from starlette.responses import Response
 from proxy import metrics
 from proxy.access import AgentKey, Slots
 from proxy.admission import Admission
-from proxy.assemble import StreamTail, assemble_stream, extract
 from proxy.balancer import Balancer, ReplicaState
 from proxy.call import CallState
 from proxy.cluster import Cluster
 from proxy.drain import Drain
+from proxy.formats import StreamTail, for_route, parse_events
 from proxy.journal import Journal
 from proxy.limits import read_body
 from proxy.policy import ActivePolicy
 from proxy.recorder import Recorder
-from proxy.responses import ask_for_tokens as _ask_for_response_tokens
 from proxy.sampling import check_sampling
-from proxy.sse import SseParser
+from proxy.sse import iter_data
 from proxy.stream import RelayStream
 from proxy.upstream import Upstream, forwardable_headers
 from shared.errors import (
@@ -54,7 +53,7 @@ from shared.errors import (
     UpstreamUnavailable,
 )
 from shared.settings import ProxySettings
-from shared.types import CallRecord, CallStatus, Route
+from shared.types import CallRecord, CallStatus
 from shared.verbatim import MAX_DEPTH, ExactJsonError, depth_of, dumps_exact, loads_exact
 
 if TYPE_CHECKING:
@@ -116,7 +115,8 @@ class Relay:
     async def handle(self, request: Request, route: str, rollout_id: str | None, attempt_id: str | None,
                      agent: AgentKey | None = None) -> Response:
         """Relay one call. Tracked calls (with ids) get exact tokens asked for and the model rewritten."""
-        call = CallState(route=route, rollout_id=rollout_id, attempt_id=attempt_id, agent=agent)
+        call = CallState(route=route, format=for_route(route), rollout_id=rollout_id, attempt_id=attempt_id,
+                         agent=agent)
         if self._tracing is not None:
             call.span = self._tracing.start(route, request.headers, time.time_ns())
         self._recorder.begin(call.key)
@@ -290,7 +290,7 @@ class Relay:
         call.served_model = body.get("model") if isinstance(body.get("model"), str) else None
         call.request = body
         if rewrite and call.key is not None:  # after `request` is set: a refused call is recorded with its body
-            check_sampling(self._settings.sampling, call.route, body)
+            check_sampling(self._settings.sampling, call.format.choice_fields, body)
         return body
 
     @staticmethod
@@ -312,16 +312,7 @@ class Relay:
         # a CPU-bound front end throughput, so `proxy.rollout_logprobs` decides. A client's own
         # logprob settings are kept either way.
         logprobs = _wants_rollout_logprobs(self._settings, call.rollout_id, call.attempt_id)
-        if call.route == Route.RESPONSES:
-            _ask_for_response_tokens(body, logprobs=logprobs)
-            return
-        body["return_token_ids"] = True
-        if not logprobs:
-            return
-        if call.route == Route.CHAT and not body.get("logprobs"):
-            body["logprobs"] = True
-        elif call.route == Route.COMPLETIONS and body.get("logprobs") is None:
-            body["logprobs"] = 0  # the sampled token's logprob, no alternatives
+        call.format.ask_for_tokens(body, logprobs=logprobs)
 
     async def _relay_whole(self, call: CallState, upstream: aiohttp.ClientResponse, content_type: str) -> Response:
         started = time.perf_counter()
@@ -354,7 +345,7 @@ class Relay:
         the token fields of a cut one are read from all of it first."""
         if len(body) > self._max_body:
             call.body, call.truncated = body[:self._max_body], True
-            call.whole = extract(call.route, _parse_whole(body))
+            call.whole = call.format.extract(_parse_whole(body))
         else:
             call.body = body
 
@@ -387,12 +378,12 @@ class Relay:
 
         def read_cut(data: bytes) -> None:
             if not isinstance(call.whole, StreamTail):
-                call.whole = StreamTail(call.route)
+                call.whole = StreamTail(call.format)
             call.whole.feed(data)
 
         return RelayStream(call, chunks, status_code=200, headers=headers, max_kept_bytes=self._max_body,
                            close=close, on_source_error=on_source_error, seal=seal, finish=finish,
-                           read_cut=read_cut)
+                           read_cut=read_cut, is_terminal=call.format.is_terminal)
 
     async def models(self) -> Response:
         """The model list of a healthy replica, as it sent it (clients probe it at start)."""
@@ -488,9 +479,7 @@ def _storage_failed(reason: str) -> LocalStorageFailed:
 def _fill_response(record: CallRecord, call: CallState) -> None:
     """The record's parsed response (of the bytes kept) and token fields (of the whole answer)."""
     if call.is_streaming and call.http_status == 200:
-        parser = SseParser()
-        events = parser.feed(call.body) + parser.close()
-        response: Any = assemble_stream(call.route, events)
+        response: Any = call.format.assemble(parse_events(iter_data(call.body)))
     else:
         response = _parse_whole(call.body)
     record.response = response if call.body else None
@@ -499,7 +488,7 @@ def _fill_response(record: CallRecord, call: CallState) -> None:
     elif call.whole is not None:
         fields = call.whole
     else:
-        fields = extract(call.route, response)
+        fields = call.format.extract(response)
     record.prompt_token_ids = fields.prompt_token_ids
     record.completion_token_ids = fields.completion_token_ids
     record.completion_logprobs = fields.completion_logprobs

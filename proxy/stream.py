@@ -12,21 +12,7 @@ from starlette.types import Message, Receive, Scope, Send
 
 from shared.types import CallStatus
 
-__all__ = ["RelayStream", "is_terminal"]
-
-
-_RESPONSES_END = (b'"type":"response.completed"', b'"type":"response.incomplete"', b'"type":"response.failed"')
-
-
-def is_terminal(chunk: bytes) -> bool:
-    """Does this chunk end the event stream (OpenAI's `[DONE]`, Anthropic's `message_stop`, the
-    Responses API's final `response.completed`/`incomplete`/`failed` event)?
-
-    The markers are safe from false positives: inside a JSON string, generated text has
-    its quotes escaped, and `[DONE]` only counts as a whole final data line.
-    """
-    return (chunk.rstrip().endswith(b"data: [DONE]") or b'{"type":"message_stop"' in chunk
-            or (b'"type":"response.' in chunk and any(marker in chunk for marker in _RESPONSES_END)))
+__all__ = ["RelayStream"]
 
 
 class _SourceFailed(Exception):
@@ -66,6 +52,7 @@ class RelayStream(Response):
         seal: Callable[[bytes, bool], Awaitable[None]],
         finish: Callable[[bytes, bool], Awaitable[None]],
         read_cut: Callable[[bytes], None],
+        is_terminal: Callable[[bytes], bool],
     ) -> None:
         self._call = call
         self._chunks = chunks
@@ -78,6 +65,7 @@ class RelayStream(Response):
         self._seal = seal
         self._finish = finish
         self._read_cut = read_cut
+        self._is_terminal = is_terminal
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         # Plain asyncio rather than an anyio task group: the group (scopes, task wrappers,
@@ -108,6 +96,7 @@ class RelayStream(Response):
 
             watcher = asyncio.get_running_loop().create_task(watch_disconnect())
             chunks = self._chunks.__aiter__()
+            is_terminal = self._is_terminal  # the call's format's (`proxy.formats`); a local: runs per chunk
             try:
                 try:
                     while True:
