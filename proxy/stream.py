@@ -30,7 +30,8 @@ class RelayStream(Response):
     have reached the client already, so no other replica may be tried.
 
     `seal(kept, truncated)` runs before the stream's end reaches the client (before the
-    terminal event, or the empty last body message): the call's record is journaled by the
+    terminal event, which the route's `is_terminal` finds in a chunk (`proxy.formats`), or
+    the empty last body message): the call's record is journaled by the
     time the client can see the call complete, so a crash after that point loses nothing.
 
     The record keeps the stream's first `max_kept_bytes`; once a chunk goes past them
