@@ -12,7 +12,7 @@ from abc import abstractmethod
 
 from proxy.formats.base import Extract, Format, Json, usage_of
 
-__all__ = ["Assembly", "OpenAIFormat"]
+__all__ = ["Assembly", "OpenAIFormat", "TokenAssembly"]
 
 
 class OpenAIFormat(Format):
@@ -46,7 +46,7 @@ class OpenAIFormat(Format):
         logprobs = first.get("logprobs")
         return Extract(
             prompt_token_ids=prompt_ids,
-            completion_token_ids=token_ids if token_ids is not None else None,
+            completion_token_ids=token_ids,
             completion_logprobs=self._logprobs(logprobs) if isinstance(logprobs, dict) else None,
             finish_reason=first.get("finish_reason"),
             usage=response.get("usage") or usage_of(prompt_ids, token_ids),

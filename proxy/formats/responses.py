@@ -25,7 +25,6 @@ LOGPROBS_INCLUDE = "message.output_text.logprobs"
 # The events that end a Responses stream, each carrying the whole response object.
 _FINAL_EVENTS = frozenset({"response.completed", "response.incomplete", "response.failed"})
 _START_EVENTS = frozenset({"response.created", "response.in_progress"})
-_FINAL_MARKERS = (b'"type":"response.completed"', b'"type":"response.incomplete"', b'"type":"response.failed"')
 
 
 class Responses(Format):
@@ -43,7 +42,9 @@ class Responses(Format):
 
     @staticmethod
     def is_terminal(chunk: bytes) -> bool:
-        return b'"type":"response.' in chunk and any(marker in chunk for marker in _FINAL_MARKERS)
+        # Three scans rather than `any()` over a generator: it costs more than the scans.
+        return (b'"type":"response.completed"' in chunk or b'"type":"response.incomplete"' in chunk
+                or b'"type":"response.failed"' in chunk)
 
     def assemble(self, events: list[Json]) -> Json:
         """The final event's response object, else what the deltas built (a cut stream)."""
