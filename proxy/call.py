@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from proxy.assemble import Extract, StreamTail, assemble_stream, extract
-from proxy.sse import SseParser
+from proxy.formats import Extract, Format, StreamTail, parse_events
+from proxy.sse import iter_data
 from shared.errors import RolltapError, UpstreamTimeout, UpstreamUnavailable
 from shared.types import CallRecord, CallStatus
 from shared.verbatim import ExactJsonError, loads_exact
@@ -57,6 +57,7 @@ class CallState:
     """
 
     route: str
+    format: Format  # the route's wire format (`proxy.formats.for_route`)
     rollout_id: str | None
     attempt_id: str | None
     max_kept: int  # bytes of the response the record keeps (`recorder.max_body_bytes`)
@@ -130,7 +131,7 @@ class CallState:
             self.status = CallStatus.UPSTREAM_ERROR
         if len(body) > self.max_kept:
             self._kept, self._kept_bytes, self.truncated = [body[:self.max_kept]], self.max_kept, True
-            self.whole = extract(self.route, parse_whole(body))
+            self.whole = self.format.extract(parse_whole(body))
         else:
             self._kept, self._kept_bytes = [body], len(body)
         self.dirty = True
@@ -145,7 +146,7 @@ class CallState:
                 self._kept_bytes += len(chunk)
                 return
             self.truncated = True
-            self.whole = StreamTail(self.route)
+            self.whole = StreamTail(self.format)
             for piece in self._kept:
                 self.whole.feed(piece)
         assert isinstance(self.whole, StreamTail)
@@ -210,8 +211,7 @@ class CallState:
     def _fill_response(self, record: CallRecord, body: bytes) -> None:
         """The record's parsed response (of the bytes kept) and token fields (of the whole answer)."""
         if self.is_streaming and self.http_status == 200:
-            parser = SseParser()
-            response: Any = assemble_stream(self.route, parser.feed(body) + parser.close())
+            response: Any = self.format.assemble(parse_events(iter_data(body)))
         else:
             response = parse_whole(body)
         record.response = response if body else None
@@ -220,7 +220,7 @@ class CallState:
         elif self.whole is not None:
             fields = self.whole
         else:
-            fields = extract(self.route, response)
+            fields = self.format.extract(response)
         record.prompt_token_ids = fields.prompt_token_ids
         record.completion_token_ids = fields.completion_token_ids
         record.completion_logprobs = fields.completion_logprobs

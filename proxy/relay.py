@@ -33,11 +33,11 @@ from proxy.balancer import Balancer
 from proxy.call import CallState
 from proxy.cluster import Cluster
 from proxy.drain import Drain
+from proxy.formats import for_route
 from proxy.journal import Journal
 from proxy.limits import read_body
 from proxy.policy import ActivePolicy
 from proxy.recorder import Recorder
-from proxy.responses import ask_for_tokens as _ask_for_response_tokens
 from proxy.sampling import check_sampling
 from proxy.stream import RelayStream
 from proxy.upstream import Upstream, UpstreamResponse, forwardable_headers
@@ -49,7 +49,7 @@ from shared.errors import (
     UpstreamUnavailable,
 )
 from shared.settings import ProxySettings
-from shared.types import CallRecord, CallStatus, Route
+from shared.types import CallRecord, CallStatus
 from shared.verbatim import MAX_DEPTH, ExactJsonError, depth_of, dumps_exact, loads_exact
 
 if TYPE_CHECKING:
@@ -111,8 +111,8 @@ class Relay:
     async def handle(self, request: Request, route: str, rollout_id: str | None, attempt_id: str | None,
                      agent: AgentKey | None = None) -> Response:
         """Relay one call. Tracked calls (with ids) get exact tokens asked for and the model rewritten."""
-        call = CallState(route=route, rollout_id=rollout_id, attempt_id=attempt_id, max_kept=self._max_body,
-                         agent=agent)
+        call = CallState(route=route, format=for_route(route), rollout_id=rollout_id, attempt_id=attempt_id,
+                         max_kept=self._max_body, agent=agent)
         if self._tracing is not None:
             call.span = self._tracing.start(route, request.headers, time.time_ns())
         self._recorder.begin(call.key)
@@ -297,7 +297,7 @@ class Relay:
         call.served_model = body.get("model") if isinstance(body.get("model"), str) else None
         call.request = body
         if rewrite and call.key is not None:  # after `request` is set: a refused call is recorded with its body
-            check_sampling(self._settings.sampling, call.route, body)
+            check_sampling(self._settings.sampling, call.format.choice_fields, body)
         return body
 
     @staticmethod
@@ -319,16 +319,7 @@ class Relay:
         # a CPU-bound front end throughput, so `proxy.rollout_logprobs` decides. A client's own
         # logprob settings are kept either way.
         logprobs = _wants_rollout_logprobs(self._settings, call.rollout_id, call.attempt_id)
-        if call.route == Route.RESPONSES:
-            _ask_for_response_tokens(body, logprobs=logprobs)
-            return
-        body["return_token_ids"] = True
-        if not logprobs:
-            return
-        if call.route == Route.CHAT and not body.get("logprobs"):
-            body["logprobs"] = True
-        elif call.route == Route.COMPLETIONS and body.get("logprobs") is None:
-            body["logprobs"] = 0  # the sampled token's logprob, no alternatives
+        call.format.ask_for_tokens(body, logprobs=logprobs)
 
     async def _relay_whole(self, call: CallState, response: UpstreamResponse) -> Response:
         started = time.perf_counter()

@@ -20,16 +20,14 @@ from typing import Any
 
 from shared.errors import InvalidRequest
 from shared.settings import SamplingSettings
-from shared.types import Route
 
 __all__ = ["check_sampling"]
 
-_CHOICE_FIELDS: dict[str, tuple[str, ...]] = {Route.CHAT: ("n",), Route.COMPLETIONS: ("n", "best_of")}
 
-
-def check_sampling(settings: SamplingSettings, route: str, body: dict[str, Any]) -> None:
-    """Refuse several choices and apply the pinned parameters to `body` (in place); see the module docstring."""
-    for name in _CHOICE_FIELDS.get(route, ()):
+def check_sampling(settings: SamplingSettings, choice_fields: tuple[str, ...], body: dict[str, Any]) -> None:
+    """Refuse several choices (any of `choice_fields`, the route's: `proxy.formats`) and apply the pinned
+    parameters to `body` (in place); see the module docstring."""
+    for name in choice_fields:
         value = body.get(name)
         if value is not None and value != 1:
             raise InvalidRequest(

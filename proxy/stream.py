@@ -16,21 +16,7 @@ if TYPE_CHECKING:
     from proxy.relay import Relay
     from proxy.upstream import UpstreamResponse
 
-__all__ = ["RelayStream", "is_terminal"]
-
-
-_RESPONSES_END = (b'"type":"response.completed"', b'"type":"response.incomplete"', b'"type":"response.failed"')
-
-
-def is_terminal(chunk: bytes) -> bool:
-    """Does this chunk end the event stream (OpenAI's `[DONE]`, Anthropic's `message_stop`, the
-    Responses API's final `response.completed`/`incomplete`/`failed` event)?
-
-    The markers are safe from false positives: inside a JSON string, generated text has
-    its quotes escaped, and `[DONE]` only counts as a whole final data line.
-    """
-    return (chunk.rstrip().endswith(b"data: [DONE]") or b'{"type":"message_stop"' in chunk
-            or (b'"type":"response.' in chunk and any(marker in chunk for marker in _RESPONSES_END)))
+__all__ = ["RelayStream"]
 
 
 class RelayStream(Response):
@@ -44,7 +30,8 @@ class RelayStream(Response):
     the client already, so no other replica may be tried.
 
     The call is sealed (`Relay.seal`: its record journaled) before the stream's end reaches
-    the client (before the terminal event, or the empty last body message), so a crash
+    the client (before the terminal event, which the route's format finds in a chunk, or the
+    empty last body message), so a crash
     after that point loses nothing; `Relay.record` queues it once the stream is over.
     """
 
@@ -81,6 +68,7 @@ class RelayStream(Response):
 
             watcher = asyncio.get_running_loop().create_task(watch_disconnect())
             chunks = self._source.aiter().__aiter__()
+            is_terminal = call.format.is_terminal  # the route's end marker (`proxy.formats`), looked up once
             try:
                 while True:
                     try:

@@ -8,7 +8,8 @@ from typing import Any
 import httpx
 import orjson
 
-from proxy.stream import is_terminal
+from proxy.formats import for_route
+from shared.types import Route
 from tests.conftest import ProxyFactory
 from tests.support.fault_replica import MODEL, chat_chunk
 
@@ -114,7 +115,7 @@ def test_a_response_cut_for_storage_keeps_its_whole_token_fields(proxy_for: Prox
               {"type": "response.completed", "response": final}]
     sse = [b"event: " + e["type"].encode() + b"\ndata: " + orjson.dumps(e) + b"\n\n" for e in events]
     responses = _pieces(b"".join(sse[:-1])) + _pieces(sse[-1])
-    assert is_terminal(responses[-len(_pieces(sse[-1]))].encode())  # the record is sealed before the rest
+    assert for_route(Route.RESPONSES).is_terminal(responses[-len(_pieces(sse[-1]))].encode())  # the record is sealed before the rest
     with proxy_for([replica], recorder={"max_body_bytes": 1024}) as proxy, \
             httpx.Client(base_url=proxy.url, timeout=30) as client:
         chat = "/rollout/cut/attempt/0/v1/chat/completions"

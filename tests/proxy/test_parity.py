@@ -7,7 +7,7 @@ from typing import Any
 import httpx
 import pytest
 
-from proxy.assemble import assemble_stream
+from proxy.formats import for_route, parse_events
 from proxy.sse import iter_data
 from tests.conftest import ProxyFactory
 from tests.support.fault_replica import FaultReplica
@@ -23,7 +23,7 @@ def _stream_result(route: str, raw: bytes) -> dict[str, Any]:
     when its API server falls behind, so chunking differs between two identical requests."""
     events = list(iter_data(raw))
     assert events[-1] == "[DONE]"
-    return _strip(assemble_stream(route, events))
+    return _strip(for_route(route).assemble(parse_events(events)))
 
 
 def _strip(obj: dict[str, Any]) -> dict[str, Any]:

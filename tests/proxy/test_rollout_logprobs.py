@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from proxy.responses import LOGPROBS_INCLUDE
+from proxy.formats.responses import LOGPROBS_INCLUDE
 from tests.conftest import ProxyFactory
 from tests.support.fault_replica import FaultReplica
 from tests.support.servers import serve_in_thread

@@ -134,11 +134,11 @@ def test_invalid_utf8_and_split_characters_parse_the_same_whole_or_split(lines: 
 @settings(max_examples=200, deadline=None)
 @given(st.text(st.characters(codec="utf-8"), max_size=20), st.data())
 def test_multibyte_text_split_across_chunks_assembles_whole(text: str, data: st.DataObject) -> None:
-    from proxy.assemble import assemble_stream
+    from proxy.formats import for_route, parse_events
 
     chunks = [f'data: {{"choices":[{{"index":0,"delta":{{"content":{json.dumps(ch, ensure_ascii=False)}}}}}]}}\n\n'
               for ch in text]
     raw = ("".join(chunks) + "data: [DONE]\n\n").encode("utf-8")
     events = parse_chunks(split(raw, data.draw(cuts_in(raw), label="cuts")))
-    content = assemble_stream("chat/completions", events)["choices"]
+    content = for_route("chat/completions").assemble(parse_events(events))["choices"]
     assert (content[0]["message"]["content"] if content else "") == text

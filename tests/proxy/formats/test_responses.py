@@ -1,4 +1,4 @@
-"""The Responses wire format as the proxy reads it: what it asks for, a stream rebuilt, token fields extracted."""
+"""`proxy/formats/responses.py`: what the proxy asks the Responses API for, a stream rebuilt, token fields extracted."""
 
 from __future__ import annotations
 
@@ -6,9 +6,15 @@ from typing import Any
 
 import orjson
 
-from proxy.assemble import StreamTail, assemble_stream, extract
-from proxy.responses import ask_for_tokens
-from proxy.stream import is_terminal
+from proxy.formats import StreamTail, for_route, parse_events
+from shared.types import Route
+
+RESPONSES = for_route(Route.RESPONSES)
+ask_for_tokens, extract, is_terminal = RESPONSES.ask_for_tokens, RESPONSES.extract, RESPONSES.is_terminal
+
+
+def _assemble(events: list[dict[str, Any]]) -> dict[str, Any]:
+    return RESPONSES.assemble(parse_events(orjson.dumps(e).decode() for e in events))
 
 
 def _final(status: str = "completed") -> dict[str, Any]:
@@ -34,14 +40,14 @@ def test_ask_for_tokens_keeps_the_clients_include() -> None:
 
 
 def test_whole_and_streamed_responses_extract_the_same_fields() -> None:
-    whole = extract("responses", _final("incomplete"))
+    whole = extract(_final("incomplete"))
     assert (whole.prompt_token_ids, whole.completion_token_ids) == ([1, 2, 3], [7, 8])
     assert whole.completion_logprobs == [-0.5, -0.25] and whole.finish_reason == "length"
     assert whole.usage == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
     events = [{"type": "response.created", "response": {"id": "resp_1", "status": "in_progress"}},
               {"type": "response.output_text.delta", "output_index": 0, "content_index": 0, "delta": "a"},
               {"type": "response.completed", "response": _final()}]
-    streamed = extract("responses", assemble_stream("responses", [orjson.dumps(e).decode() for e in events]))
+    streamed = extract(_assemble(events))
     assert streamed.completion_token_ids == [7, 8] and streamed.finish_reason == "stop"
     assert is_terminal(b"event: response.completed\ndata: " + orjson.dumps(events[-1]) + b"\n\n")
     assert not is_terminal(b"event: response.output_text.delta\ndata: " + orjson.dumps(events[1]) + b"\n\n")
@@ -51,12 +57,12 @@ def test_a_cut_stream_keeps_its_text_and_a_tool_call_leaves_logprobs_unknown() -
     events = [{"type": "response.created", "response": {"id": "resp_1", "status": "in_progress"}},
               {"type": "response.output_text.delta", "output_index": 0, "content_index": 0, "delta": "a",
                "logprobs": [{"token": "a", "logprob": -0.5}]}]
-    cut = assemble_stream("responses", [orjson.dumps(e).decode() for e in events])
+    cut = _assemble(events)
     assert cut["output"][0]["content"][0]["text"] == "a" and cut["id"] == "resp_1"
-    assert extract("responses", cut).completion_token_ids is None  # no final event: no token IDs
+    assert extract(cut).completion_token_ids is None  # no final event: no token IDs
     called = _final()
     called["output"] = [{"type": "function_call", "name": "add", "arguments": "{}", "call_id": "c1"}]
-    fields = extract("responses", called)
+    fields = extract(called)
     assert fields.completion_token_ids == [7, 8] and fields.completion_logprobs is None
     assert fields.finish_reason == "tool_calls"
 
@@ -72,7 +78,7 @@ def test_stream_tail_reads_the_final_event_once_it_is_whole() -> None:
     raw = b"".join(b"event: " + e["type"].encode() + b"\ndata: " + orjson.dumps(e) + b"\n\n" for e in events)
     split = raw.index(b'"response.completed"') + 40
     assert is_terminal(raw[:split]) and not raw[:split].endswith(b"\n\n")
-    tail = StreamTail("responses")
+    tail = StreamTail(RESPONSES)
     tail.feed(raw[:split])
     early = tail.fields()
     assert early.completion_token_ids is None and not tail.is_stale
@@ -80,5 +86,5 @@ def test_stream_tail_reads_the_final_event_once_it_is_whole() -> None:
         tail.feed(raw[i:i + 16])
     assert tail.is_stale
     fields = tail.fields()
-    assert fields == extract("responses", _final()) and fields.completion_token_ids == [7, 8]
+    assert fields == extract(_final()) and fields.completion_token_ids == [7, 8]
     assert fields.completion_logprobs == [-0.5, -0.25] and fields.finish_reason == "stop" and not tail.is_stale

@@ -1,0 +1,150 @@
+"""What OpenAI's chat and completions formats share: chunks of `choices` merged per index.
+
+A stream is rebuilt into the non-streamed shape (content, token IDs and logprobs
+concatenated per choice) by an `Assembly` that takes the chunks one by one; what
+differs between the two APIs (a choice's empty shape, its content and logprobs) is
+the subclass's (`proxy.formats.chat`, `proxy.formats.completions`).
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+
+from proxy.formats.base import Extract, Format, Json, usage_of
+
+__all__ = ["Assembly", "OpenAIFormat", "TokenAssembly"]
+
+
+class OpenAIFormat(Format):
+    """An OpenAI-shaped API: vLLM's `return_token_ids`, `choices`, `data: [DONE]` at the end."""
+
+    object: str  # the non-streamed response's `object`
+    choice_fields: tuple[str, ...] = ("n",)
+
+    def ask_for_tokens(self, body: Json, *, logprobs: bool) -> None:
+        body["return_token_ids"] = True
+        if logprobs:
+            self._ask_for_logprobs(body)
+
+    @staticmethod
+    def is_terminal(chunk: bytes) -> bool:
+        return chunk.rstrip().endswith(b"data: [DONE]")  # only as the whole final data line
+
+    def assemble(self, events: list[Json]) -> Json:
+        assembly = Assembly(self)
+        for chunk in events:
+            assembly.add(chunk)
+        return assembly.result()
+
+    def _extract(self, response: Json) -> Extract:
+        choices = response.get("choices") or []
+        first: Json = choices[0] if choices and isinstance(choices[0], dict) else {}
+        prompt_ids = response.get("prompt_token_ids")
+        if prompt_ids is None:
+            prompt_ids = first.get("prompt_token_ids")  # completions put it on the choice
+        token_ids = first.get("token_ids")
+        logprobs = first.get("logprobs")
+        return Extract(
+            prompt_token_ids=prompt_ids,
+            completion_token_ids=token_ids,
+            completion_logprobs=self._logprobs(logprobs) if isinstance(logprobs, dict) else None,
+            finish_reason=first.get("finish_reason"),
+            usage=response.get("usage") or usage_of(prompt_ids, token_ids),
+            error=response.get("error"),
+        )
+
+    def tail(self) -> TokenAssembly:
+        return TokenAssembly(self)
+
+    @abstractmethod
+    def _ask_for_logprobs(self, body: Json) -> None:
+        """Ask for the sampled tokens' logprobs, unless the client asked for its own."""
+
+    @abstractmethod
+    def empty_choice(self, index: int) -> Json:
+        """A choice before its first chunk, with the non-streamed choice's keys in its order."""
+
+    @abstractmethod
+    def merge_content(self, choice: Json, part: Json) -> None:
+        """Merge a chunk's choice `part` into `choice`: its content and logprobs (the rest is shared)."""
+
+    @abstractmethod
+    def _logprobs(self, logprobs: Json) -> list[float | None] | None:
+        """The sampled tokens' logprobs of a choice's `logprobs` object."""
+
+    @abstractmethod
+    def token_logprobs(self, logprobs: Json) -> Json | None:
+        """What of a chunk choice's `logprobs` `_logprobs` reads (None: nothing), in the chunk's shape."""
+
+    def token_part(self, chunk: Json) -> Json:
+        """What of a chunk `extract` reads, in the chunk's shape."""
+        part: Json = {key: chunk[key] for key in ("prompt_token_ids", "usage", "error") if key in chunk}
+        if "choices" not in chunk:
+            return part
+        part["choices"] = []
+        for choice in chunk.get("choices") or ():
+            if not isinstance(choice, dict):
+                continue
+            kept = {key: choice[key] for key in ("index", "token_ids", "prompt_token_ids", "finish_reason",
+                                                 "stop_reason") if key in choice}
+            logprobs = choice.get("logprobs")
+            if isinstance(logprobs, dict):
+                token_logprobs = self.token_logprobs(logprobs)
+                if token_logprobs is not None:
+                    kept["logprobs"] = token_logprobs
+            part["choices"].append(kept)
+        return part
+
+
+class Assembly:
+    """A chat or completions stream rebuilt chunk by chunk into its non-streamed shape."""
+
+    def __init__(self, format: OpenAIFormat) -> None:
+        self._format = format
+        self._out: Json = {}
+        self._choices: dict[int, Json] = {}
+
+    def add(self, chunk: Json) -> None:
+        out = self._out
+        if "error" in chunk and "choices" not in chunk:
+            out["error"] = chunk["error"]
+            return
+        for key in ("id", "created", "model", "system_fingerprint"):
+            if key in chunk and key not in out:
+                out[key] = chunk[key]
+        if chunk.get("prompt_token_ids") is not None:
+            out["prompt_token_ids"] = chunk["prompt_token_ids"]
+        if chunk.get("usage"):
+            out["usage"] = chunk["usage"]
+        for part in chunk.get("choices") or ():
+            index = part.get("index", 0)
+            choice = self._choices.get(index)
+            if choice is None:
+                choice = self._choices[index] = self._format.empty_choice(index)
+            _merge_choice(self._format, choice, part)
+
+    def result(self) -> Json:
+        """The response so far; its choices are the assembly's own (later chunks extend them)."""
+        out = dict(self._out)
+        out["object"] = self._format.object
+        out["choices"] = [self._choices[i] for i in sorted(self._choices)]
+        return out
+
+
+class TokenAssembly(Assembly):
+    """An `Assembly` of only what `extract` reads of each chunk (a `StreamTail`'s): no text, no alternatives."""
+
+    def add(self, chunk: Json) -> None:
+        super().add(self._format.token_part(chunk))
+
+
+def _merge_choice(format: OpenAIFormat, choice: Json, part: Json) -> None:
+    if part.get("token_ids"):
+        choice["token_ids"].extend(part["token_ids"])
+    if part.get("prompt_token_ids") is not None:
+        choice["prompt_token_ids"] = part["prompt_token_ids"]
+    if part.get("finish_reason") is not None:
+        choice["finish_reason"] = part["finish_reason"]
+    if part.get("stop_reason") is not None:
+        choice["stop_reason"] = part["stop_reason"]
+    format.merge_content(choice, part)
