@@ -14,7 +14,7 @@ import weakref
 from collections import defaultdict
 from collections.abc import Iterable
 from datetime import UTC, datetime, timedelta
-from operator import attrgetter
+from operator import attrgetter, itemgetter
 from typing import Any
 
 import orjson
@@ -222,8 +222,8 @@ class _Statements:
 
     def __init__(self, dialect: Dialect) -> None:
         columns = Call.__table__.c
-        self.processors = tuple(columns[name].type.dialect_impl(dialect).bind_processor(dialect)
-                                for name in _INSERT_COLUMNS)
+        processors = (columns[name].type.dialect_impl(dialect).bind_processor(dialect) for name in _INSERT_COLUMNS)
+        self.processors = tuple((index, process) for index, process in enumerate(processors) if process is not None)
         quote = dialect.identifier_preparer.quote
         names = ", ".join(quote(name) for name in _INSERT_COLUMNS)
         target = ", ".join(quote(name) for name in _SEQ_INDEX)
@@ -263,10 +263,14 @@ def _statements(conn: Connection) -> _Statements:
     return found
 
 
+_insert_values = itemgetter(*_INSERT_COLUMNS)
+
+
 def _encoded(stmts: _Statements, record: CallRecord, seq: int | None) -> tuple[Any, ...]:
-    row = _row(record, seq)
-    return tuple(value if process is None else process(value)
-                 for value, process in zip([row[name] for name in _INSERT_COLUMNS], stmts.processors, strict=True))
+    values = list(_insert_values(_row(record, seq)))
+    for index, process in stmts.processors:
+        values[index] = process(values[index])
+    return tuple(values)  # the driver-level executemany takes tuples
 
 
 def _insert_rows(conn: Connection, stmts: _Statements, rows: list[tuple[Any, ...]]) -> set[str] | None:

@@ -104,7 +104,8 @@ class Attempt(Base):
     attempt_id: Mapped[str] = mapped_column(String(ID_LEN), nullable=False)
     # running -> succeeded | failed | cancelled (set by `finish`)
     status: Mapped[str] = mapped_column(String(16), nullable=False, server_default="running", index=True)
-    # Calls recorded so far; the writer takes sequence numbers from it under a row lock.
+    # Calls recorded so far: the writer grows it in the transaction that inserts them, before
+    # the insert (the row lock orders writers of one attempt; numbers come from its counters).
     num_calls: Mapped[int] = mapped_column(Integer, nullable=False, server_default="0")
     policy_version: Mapped[int | None] = mapped_column(Integer)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=_now())
