@@ -206,6 +206,8 @@ class SeqCounters:
 # The columns a batch insert fills, in order: the record's, its number, and the exact JSON.
 _INSERT_COLUMNS = (*_ROW_FIELDS, "seq", "json_exact")
 _SEQ_INDEX = ("rollout_id", "attempt_id", "seq")  # the unique index that guards the numbers
+# Under the attempts' row locks one renumbering finds every number taken; a few more tries
+# only cover a writer that numbers without them (none does), rather than loop forever.
 _RENUMBER_TRIES = 8
 
 
@@ -225,6 +227,7 @@ class _Statements:
         processors = (columns[name].type.dialect_impl(dialect).bind_processor(dialect) for name in _INSERT_COLUMNS)
         self.processors = tuple((index, process) for index, process in enumerate(processors) if process is not None)
         quote = dialect.identifier_preparer.quote
+        calls, attempts = quote(Call.__tablename__), quote(Attempt.__tablename__)
         names = ", ".join(quote(name) for name in _INSERT_COLUMNS)
         target = ", ".join(quote(name) for name in _SEQ_INDEX)
         self.is_postgresql = dialect.name == "postgresql"
@@ -233,12 +236,12 @@ class _Statements:
             # says which rows went in: asyncpg's executemany reports no row count.
             arrays = ", ".join(f"{_placeholder(dialect, i)}::{columns[name].type.compile(dialect=dialect)}[]"
                                for i, name in enumerate(_INSERT_COLUMNS))
-            self.insert = (f"INSERT INTO calls ({names}) SELECT * FROM unnest({arrays}) "
+            self.insert = (f"INSERT INTO {calls} ({names}) SELECT * FROM unnest({arrays}) "
                            f"ON CONFLICT ({target}) DO NOTHING RETURNING call_id")
         else:
             values = ", ".join(_placeholder(dialect, i) for i in range(len(_INSERT_COLUMNS)))
-            self.insert = f"INSERT INTO calls ({names}) VALUES ({values}) ON CONFLICT ({target}) DO NOTHING"
-        self.count = (f"UPDATE attempts SET num_calls = num_calls + {_placeholder(dialect, 0)} "
+            self.insert = f"INSERT INTO {calls} ({names}) VALUES ({values}) ON CONFLICT ({target}) DO NOTHING"
+        self.count = (f"UPDATE {attempts} SET num_calls = num_calls + {_placeholder(dialect, 0)} "
                       f"WHERE rollout_id = {_placeholder(dialect, 1)} AND attempt_id = {_placeholder(dialect, 2)}")
 
 
