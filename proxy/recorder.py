@@ -33,7 +33,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from proxy import metrics
 from proxy.outage import is_outage, sqlstate
-from proxy.store import add_undurable_sync, release_leases_sync, write_calls, write_calls_sync
+from proxy.store import SeqCounters, add_undurable_sync, release_leases_sync, write_calls, write_calls_sync
 from shared.errors import Conflict, DatabaseUnavailable, InvalidRequest, RolltapError
 from shared.settings import RecorderSettings
 from shared.types import CallRecord
@@ -127,6 +127,7 @@ class Recorder:
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="rolltap-writer") if sync_engine is not None else None
         self._queue: asyncio.Queue[Item] = asyncio.Queue(maxsize=settings.queue_size)
         self._pending: dict[Key, _Pending] = {}
+        self._seqs = SeqCounters()  # sequence numbers, handed out here (`proxy.store.write_calls_sync`)
         self._spool = Spool(settings.spool_dir)
         self._task: asyncio.Task[None] | None = None
         self._next_retry = 0.0
@@ -359,16 +360,23 @@ class Recorder:
 
     async def _write(self, records: list[CallRecord], *, skip_existing: bool = False) -> None:
         """Write `records` in one transaction: in the writer thread (SQLite) or on the async engine."""
-        if self._thread is not None:
-            await asyncio.get_running_loop().run_in_executor(self._thread, self._write_sync, records, skip_existing)
-            return
-        async with self._engine.begin() as conn:
-            await write_calls(conn, records, skip_existing=skip_existing, release_leases=self._release_leases)
+        try:
+            if self._thread is not None:
+                await asyncio.get_running_loop().run_in_executor(self._thread, self._write_sync, records,
+                                                                 skip_existing)
+            else:
+                async with self._engine.begin() as conn:
+                    await write_calls(conn, records, skip_existing=skip_existing,
+                                      release_leases=self._release_leases, seqs=self._seqs)
+        except BaseException:
+            self._seqs.forget()  # whatever it numbered did not commit, or may not have
+            raise
+        self._seqs.commit()
 
     def _write_sync(self, records: list[CallRecord], skip_existing: bool) -> None:
         assert self._sync_engine is not None
         with self._sync_engine.begin() as conn:
-            write_calls_sync(conn, records, skip_existing=skip_existing)
+            write_calls_sync(conn, records, skip_existing=skip_existing, seqs=self._seqs)
 
     def _spool_write(self, records: list[CallRecord]) -> None:
         """Spool `records` behind any held in memory; when the disk refuses them, hold them in memory."""

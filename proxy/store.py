@@ -10,13 +10,15 @@ from __future__ import annotations
 import base64
 import dataclasses
 import json
+import weakref
 from collections import defaultdict
+from collections.abc import Iterable
 from datetime import UTC, datetime, timedelta
-from operator import attrgetter
+from operator import attrgetter, itemgetter
 from typing import Any
 
 import orjson
-from sqlalchemy import Connection, Integer, bindparam, delete, func, select, text, update
+from sqlalchemy import Connection, Dialect, delete, func, select, text, tuple_, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncConnection
 
@@ -49,6 +51,7 @@ __all__ = [
     "register_rollout",
     "remove_undurable_sync",
     "save_base_policy",
+    "SeqCounters",
     "set_active_policy",
     "undurable_calls",
     "upsert_replica",
@@ -157,35 +160,169 @@ def _make_storable(row: dict[str, Any]) -> None:
         row[name] = db_safe_text(row[name], max_len)  # exact in the request or response
 
 
-# Built once: constructing these per batch cost more than running them.
-_TAKE_SEQ = (
-    update(Attempt)
-    .where(Attempt.rollout_id == bindparam("rid"), Attempt.attempt_id == bindparam("aid"))
-    .values(num_calls=Attempt.num_calls + bindparam("n", type_=Integer))
-    .returning(Attempt.num_calls)
-)
-_INSERT_CALLS = {"postgresql": postgresql.insert(Call), "sqlite": sqlite.insert(Call)}
+class SeqCounters:
+    """The next sequence number of each attempt this process has written calls of.
+
+    Handing numbers out here saves a database round trip per attempt per batch. The
+    database stays the judge: the unique index on (rollout_id, attempt_id, seq) refuses a
+    number another writer took (another proxy on the same database, the cluster's reaper,
+    `rolltap-proxy spool replay`), and `write_calls_sync` then renumbers from the database.
+    A counter is only ever behind the database, never ahead (which would leave a gap):
+    `write_calls_sync` stages what it took, and the caller commits the staged counters only
+    once its transaction committed, or forgets them all when anything failed.
+
+    An attempt present here also has its rollout and attempt rows: they were committed
+    with its first calls, so no batch asks again.
+    """
+
+    # Forgetting an attempt costs one query when it writes again; this bounds the memory.
+    MAX_ATTEMPTS = 1 << 16
+
+    def __init__(self) -> None:
+        self._next: dict[tuple[str, str], int] = {}
+        self._staged: dict[tuple[str, str], int] = {}
+
+    def get(self, key: tuple[str, str]) -> int | None:
+        return self._next.get(key)
+
+    def stage(self, taken: dict[tuple[str, str], int]) -> None:
+        self._staged = taken
+
+    def commit(self) -> None:
+        """The staged counters' transaction committed: they are now known."""
+        for key, value in self._staged.items():
+            self._next.pop(key, None)  # to the end: the least recently written go first
+            self._next[key] = value
+        self._staged = {}
+        while len(self._next) > self.MAX_ATTEMPTS:
+            del self._next[next(iter(self._next))]
+
+    def forget(self) -> None:
+        """A write failed: what it staged, and anything it might have shown wrong, is dropped."""
+        self._next.clear()
+        self._staged = {}
 
 
-def _take_seq(conn: Connection, key: tuple[str, str], n: int) -> int | None:
-    """Add `n` to the attempt's call count; its new value, or None when the attempt has no row yet."""
-    total: int | None = conn.execute(_TAKE_SEQ, {"rid": key[0], "aid": key[1], "n": n}).scalar_one_or_none()
-    return total
+# The columns a batch insert fills, in order: the record's, its number, and the exact JSON.
+_INSERT_COLUMNS = (*_ROW_FIELDS, "seq", "json_exact")
+_SEQ_INDEX = ("rollout_id", "attempt_id", "seq")  # the unique index that guards the numbers
+# Under the attempts' row locks one renumbering finds every number taken; a few more tries
+# only cover a writer that numbers without them (none does), rather than loop forever.
+_RENUMBER_TRIES = 8
+
+
+class _Statements:
+    """A dialect's batch statements, rendered once, and its columns' bind processors.
+
+    The rows go to the driver as prebuilt tuples in one `executemany` (SQLite) or as one
+    array per column in a single statement (PostgreSQL), below the ORM and Core: building
+    and processing a parameter dict per row through Core cost more than the database's
+    own work. The values are encoded by the very bind processors Core would apply (JSON by
+    the engine's serializer, `dumps_json`; datetimes as SQLite stores them), so what is
+    stored is unchanged.
+    """
+
+    def __init__(self, dialect: Dialect) -> None:
+        columns = Call.__table__.c
+        processors = (columns[name].type.dialect_impl(dialect).bind_processor(dialect) for name in _INSERT_COLUMNS)
+        self.processors = tuple((index, process) for index, process in enumerate(processors) if process is not None)
+        quote = dialect.identifier_preparer.quote
+        calls, attempts = quote(Call.__tablename__), quote(Attempt.__tablename__)
+        names = ", ".join(quote(name) for name in _INSERT_COLUMNS)
+        target = ", ".join(quote(name) for name in _SEQ_INDEX)
+        self.is_postgresql = dialect.name == "postgresql"
+        if self.is_postgresql:
+            # One statement whatever the batch size (one prepared statement), and RETURNING
+            # says which rows went in: asyncpg's executemany reports no row count.
+            arrays = ", ".join(f"{_placeholder(dialect, i)}::{columns[name].type.compile(dialect=dialect)}[]"
+                               for i, name in enumerate(_INSERT_COLUMNS))
+            self.insert = (f"INSERT INTO {calls} ({names}) SELECT * FROM unnest({arrays}) "
+                           f"ON CONFLICT ({target}) DO NOTHING RETURNING call_id")
+        else:
+            values = ", ".join(_placeholder(dialect, i) for i in range(len(_INSERT_COLUMNS)))
+            self.insert = f"INSERT INTO {calls} ({names}) VALUES ({values}) ON CONFLICT ({target}) DO NOTHING"
+        self.count = (f"UPDATE {attempts} SET num_calls = num_calls + {_placeholder(dialect, 0)} "
+                      f"WHERE rollout_id = {_placeholder(dialect, 1)} AND attempt_id = {_placeholder(dialect, 2)}")
+
+
+def _placeholder(dialect: Dialect, index: int) -> str:
+    if dialect.paramstyle == "qmark":
+        return "?"
+    if dialect.paramstyle == "numeric_dollar":
+        return f"${index + 1}"
+    if dialect.paramstyle in ("format", "pyformat"):
+        return "%s"
+    raise NotImplementedError(f"parameter style {dialect.paramstyle!r}")
+
+
+# Per dialect instance: the bind processors hold the engine's JSON serializer.
+_STATEMENTS: weakref.WeakKeyDictionary[Dialect, _Statements] = weakref.WeakKeyDictionary()
+
+
+def _statements(conn: Connection) -> _Statements:
+    found = _STATEMENTS.get(conn.dialect)
+    if found is None:
+        found = _STATEMENTS[conn.dialect] = _Statements(conn.dialect)
+    return found
+
+
+_insert_values = itemgetter(*_INSERT_COLUMNS)
+
+
+def _encoded(stmts: _Statements, record: CallRecord, seq: int | None) -> tuple[Any, ...]:
+    values = list(_insert_values(_row(record, seq)))
+    for index, process in stmts.processors:
+        values[index] = process(values[index])
+    return tuple(values)  # the driver-level executemany takes tuples
+
+
+def _insert_rows(conn: Connection, stmts: _Statements, rows: list[tuple[Any, ...]]) -> set[str] | None:
+    """Insert `rows`, skipping any whose number is taken; the call ids that went in (None: all did)."""
+    if stmts.is_postgresql:
+        columns = [list(column) for column in zip(*rows, strict=True)]
+        return {row[0] for row in conn.exec_driver_sql(stmts.insert, tuple(columns))}
+    if conn.exec_driver_sql(stmts.insert, rows).rowcount == len(rows):
+        return None
+    # sqlite3 counts the rows its executemany inserted; which ones, only the table says. A call id
+    # in the table is one of these rows: an existing one would have failed the insert.
+    call_id = _INSERT_COLUMNS.index("call_id")
+    return set(conn.execute(select(Call.call_id).where(Call.call_id.in_([row[call_id] for row in rows]))).scalars())
+
+
+def _next_seqs(conn: Connection, keys: Iterable[tuple[str, str]]) -> dict[tuple[str, str], int]:
+    """The next free number of each attempt, from its calls in the database."""
+    keys = sorted(keys)
+    found = dict.fromkeys(keys, 0)
+    for rid, aid, top in conn.execute(
+            select(Call.rollout_id, Call.attempt_id, func.max(Call.seq))
+            .where(tuple_(Call.rollout_id, Call.attempt_id).in_(keys))
+            .group_by(Call.rollout_id, Call.attempt_id)):
+        if top is not None:
+            found[(str(rid), str(aid))] = top + 1
+    return found
 
 
 def write_calls_sync(conn: Connection, records: list[CallRecord], *, skip_existing: bool = False,
-                     release_leases: bool = False) -> int:
+                     release_leases: bool = False, seqs: SeqCounters | None = None) -> int:
     """Insert a batch of call records; returns how many were inserted.
 
-    Sequence numbers are taken from `attempts.num_calls` with one UPDATE ... RETURNING
-    per attempt, which row-locks the attempt on PostgreSQL, so several proxies sharing a
-    database never hand out the same number. Within a batch, calls are numbered in the
-    order they started. `skip_existing` makes a replay of spooled batches idempotent.
-    `release_leases` deletes the calls' leases (`proxy.cluster`) in the same transaction, so
-    another proxy sees a call either in flight or recorded, never neither.
-    An attempt's rollout and attempt rows are created only when the UPDATE finds no row
-    (its first batch): attempts are visited in key order either way, so two writers on one
-    PostgreSQL database take their row locks in the same order.
+    Sequence numbers come from `seqs` (the recording process's counters; without it, or for
+    an attempt it does not know, from the database), and the insert skips any number the
+    unique (rollout_id, attempt_id, seq) index already holds: the calls of an attempt with
+    one skipped are taken out again and renumbered after the database's highest, so they
+    stay dense and in order. Within a batch, calls are numbered in the order they started.
+
+    Each attempt's `num_calls` grows by its calls, in one statement for the batch, before
+    the insert, in key order: on PostgreSQL that row-locks the attempts, so of several
+    proxies sharing a database one at a time inserts an attempt's calls (a renumbering
+    finds the other's committed), and they take their locks in the same order. An attempt
+    the counters do not know gets its rollout and attempt rows first (the first call
+    creates them), then its next number from the database.
+
+    `skip_existing` makes a replay of spooled batches idempotent. `release_leases` deletes
+    the calls' leases (`proxy.cluster`) in the same transaction, so another proxy sees a
+    call either in flight or recorded, never neither. The numbers taken are staged in
+    `seqs`; the caller commits them once its transaction committed (`SeqCounters`).
 
     Synchronous so that SQLite's writer can run a whole batch in its own thread with one
     hop (`Recorder`); `write_calls` runs it on an async connection (PostgreSQL).
@@ -208,20 +345,40 @@ def write_calls_sync(conn: Connection, records: list[CallRecord], *, skip_existi
             by_attempt[key].append(record)
         else:
             untracked.append(record)
-    rows: list[dict[str, Any]] = []
-    for key, recs in sorted(by_attempt.items()):
+    groups = dict(sorted(by_attempt.items()))
+    for recs in groups.values():
         recs.sort(key=lambda r: (r.started_at, r.arrival))
-        total = _take_seq(conn, key, len(recs))
-        if total is None:
-            _ensure_attempts_sync(conn, {key: recs[0].policy_version})
-            total = _take_seq(conn, key, len(recs))
-            if total is None:
-                raise RuntimeError(f"attempt {key[0]}/{key[1]} vanished while its calls were written")
-        first = total - len(recs)
-        rows.extend(_row(record, first + offset) for offset, record in enumerate(recs))
-    rows.extend(_row(r, None) for r in untracked)
-    conn.execute(_INSERT_CALLS[conn.dialect.name], rows)
-    return len(rows)
+    known = {key: n for key in groups if (n := seqs.get(key) if seqs is not None else None) is not None}
+    unknown = [key for key in groups if key not in known]
+    if unknown:
+        _ensure_attempts_sync(conn, {key: groups[key][0].policy_version for key in unknown})
+    stmts = _statements(conn)
+    if groups:
+        conn.exec_driver_sql(stmts.count, [(len(recs), *key) for key, recs in groups.items()])
+    if unknown:
+        known.update(_next_seqs(conn, unknown))
+    rows = [_encoded(stmts, r, known[key] + i) for key, recs in groups.items() for i, r in enumerate(recs)]
+    rows.extend(_encoded(stmts, r, None) for r in untracked)
+    pending = groups
+    for _ in range(_RENUMBER_TRIES):
+        inserted = _insert_rows(conn, stmts, rows) if rows else None
+        if inserted is None:
+            break
+        pending = {key: recs for key, recs in pending.items() if any(r.call_id not in inserted for r in recs)}
+        if not pending:
+            break
+        # Another writer took some of these numbers: take this batch's calls of those attempts out
+        # again (their order must hold) and number them after the database's highest.
+        ours = [r.call_id for recs in pending.values() for r in recs if r.call_id in inserted]
+        if ours:
+            conn.execute(delete(Call).where(Call.call_id.in_(ours)))
+        known.update(_next_seqs(conn, pending))
+        rows = [_encoded(stmts, r, known[key] + i) for key, recs in pending.items() for i, r in enumerate(recs)]
+    else:
+        raise RuntimeError(f"no free sequence numbers for {len(pending)} attempt(s) after {_RENUMBER_TRIES} tries")
+    if seqs is not None:
+        seqs.stage({key: known[key] + len(recs) for key, recs in groups.items()})
+    return len(records)
 
 
 _UPGRADE_COLUMNS = tuple(name for name in (*_ROW_FIELDS, "json_exact")
@@ -243,10 +400,10 @@ def _upgrade_interrupted_sync(conn: Connection, records: list[CallRecord]) -> No
 
 
 async def write_calls(conn: AsyncConnection, records: list[CallRecord], *, skip_existing: bool = False,
-                      release_leases: bool = False) -> int:
+                      release_leases: bool = False, seqs: SeqCounters | None = None) -> int:
     """`write_calls_sync` on an async connection."""
     inserted: int = await conn.run_sync(write_calls_sync, records, skip_existing=skip_existing,
-                                        release_leases=release_leases)
+                                        release_leases=release_leases, seqs=seqs)
     return inserted
 
 

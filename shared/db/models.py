@@ -114,7 +114,8 @@ class Attempt(Base):
         doc="`running`, then `succeeded`, `failed` or `cancelled` (set by `finish`).")
     num_calls: Mapped[int] = mapped_column(
         Integer, nullable=False, server_default="0",
-        doc="Calls recorded so far; the writer takes sequence numbers from it under a row lock.")
+        doc="Calls recorded so far: the writer grows it in the transaction that inserts them, before the "
+            "insert (the row lock orders writers of one attempt; numbers come from its in-memory counters).")
     policy_version: Mapped[int | None] = mapped_column(Integer, doc="The policy version of its first call.")
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=_now())
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), index=True)
