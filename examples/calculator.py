@@ -10,6 +10,7 @@ attempt finished with its reward so the trainer can use it.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import uuid
@@ -19,7 +20,8 @@ from dataclasses import dataclass
 
 import httpx
 
-__all__ = ["ADD_TOOL", "FORCE_ADD", "Task", "add", "base_url", "finish", "main_for", "run_group", "score"]
+__all__ = ["ADD_TOOL", "FORCE_ADD", "Episode", "Task", "add", "answer_score", "base_url", "finish", "main_for",
+           "run_group", "score", "valid_call"]
 
 # The tool in OpenAI's chat-completions shape (the SDKs that take Python functions derive the same).
 ADD_TOOL = {"type": "function", "function": {
@@ -52,13 +54,47 @@ def score(task: Task, reply: str) -> float:
     return 1.0 if numbers and int(numbers[-1]) == task.a + task.b else 0.0
 
 
+def answer_score(task: Task, reply: str) -> float:
+    """The learning task's graded reward: 1.0 for just the sum ("579", "579."), 0.5 when the sum is
+    the last number of a longer reply ("The sum is 579."), else 0.0. The half credit gives a group
+    of a model that starts out chatty something to rank before it ever answers tersely."""
+    if reply.strip().rstrip(".").strip() == str(task.a + task.b):
+        return 1.0
+    return 0.5 * score(task, reply)
+
+
+def valid_call(task: Task, arguments: str) -> bool:
+    """The tool call asked the question's numbers: `{"a": A, "b": B}` in either order."""
+    try:
+        args = json.loads(arguments)
+    except ValueError:
+        return False
+    if not isinstance(args, dict) or set(args) != {"a", "b"}:
+        return False
+    return (args["a"], args["b"]) in ((task.a, task.b), (task.b, task.a))
+
+
+@dataclass(frozen=True)
+class Episode:
+    """What one attempt did: its final answer, the model calls it made, and its tool calls' arguments."""
+
+    answer: str
+    calls: int
+    tool_arguments: tuple[str, ...]
+    reward: float = 0.0
+
+    def valid_calls(self, task: Task) -> int:
+        return sum(valid_call(task, a) for a in self.tool_arguments)
+
+
 def base_url(proxy_url: str, rollout_id: str, attempt_id: str) -> str:
     """The templated base URL: the one thing an agent changes to be recorded."""
     return f"{proxy_url.rstrip('/')}/rollout/{rollout_id}/attempt/{attempt_id}/v1"
 
 
-def finish(proxy_url: str, rollout_id: str, attempt_id: str, reward: float, api_key: str) -> None:
-    """Report the reward and end the attempt (returns once its calls are durable)."""
+def finish(proxy_url: str, rollout_id: str, attempt_id: str, reward: float | None, api_key: str) -> None:
+    """Report the reward and end the attempt (returns once its calls are durable). Without a
+    reward the attempt is finished but never trained on (the trainer reads rewarded attempts)."""
     response = httpx.post(f"{proxy_url.rstrip('/')}/rollout/{rollout_id}/attempt/{attempt_id}/finish",
                           json={"status": "succeeded", "reward": reward},
                           headers={"authorization": f"Bearer {api_key}"}, timeout=120)

@@ -8,6 +8,11 @@ of the letter "b": the tiny tokenizer has two tokens made only of it and one tha
 instead (e.g. SmolLM2-135M-Instruct converted from its GGUF, see docs/learning-smollm2.md),
 and `--task arithmetic` asks single-turn "What is A + B? Answer with just the number."
 questions scored by `examples.agent.score` (1.0 when the first number in the reply is A+B).
+`--task calculator` trains a multi-turn agent written with the OpenAI Agents SDK
+(`examples/agents_sdk_agent.py`): it calls an `add` tool, reads its answer and replies
+(`examples.calculator.answer_score`: 1.0 for just the sum, 0.5 for the sum at the end of a
+longer reply); a held-out set is scored greedily at version 0, every `--eval-every` versions
+and at the last one, its attempts finished without a reward (recorded, never trained on).
 
 Per policy version the driver runs `groups` tasks x `group_size` attempts through the proxy
 with the plain `openai` SDK, then waits for the trainer (the real `rolltap-trainer run
@@ -49,11 +54,18 @@ import httpx
 import openai
 from sqlalchemy import create_engine, select
 
+from examples import agents_sdk_agent
 from examples.agent import Task as ArithmeticTask
 from examples.agent import score as arithmetic_score
+from examples.calculator import Task as CalculatorTask
+from examples.calculator import answer_score
 from examples.letter_task import LetterTask, run_attempt
+from examples.tool_template import REPLICA_ENV, replica_args
+from scripts.agent_report import Score, attempt_samples, interval, plot_agent, row_markdown
 from shared.db.engine import sync_url
-from shared.db.models import TrainingStep
+from shared.db.models import Attempt as AttemptModel
+from shared.db.models import TrainingStep, TrainingStepAttempt
+from shared.settings import TrainerSettings
 from trainer.plot import plot_steps
 from tools.replica import VllmReplica, start_replicas
 from tools.tiny_model import build_tiny_model
@@ -90,6 +102,8 @@ entropy_coeff = {entropy_coeff}
 clip_ratio_low = {clip_low}
 clip_ratio_high = {clip_high}
 norm_adv_by_std_in_grpo = {norm_adv}
+credit = "{credit}"
+gamma = {gamma}
 """
 
 # The trainer's per-step log line (trainer/loop.py `_log_step`): the full step time and the
@@ -105,6 +119,9 @@ class Attempt:
     reply: str | None = None
     completion_tokens: int | None = None
     truncated: bool | None = None
+    calls: int | None = None  # model calls in the episode (calculator)
+    valid_calls: int | None = None  # of its tool calls, those asking the question's numbers
+    tool_calls: int | None = None
 
 
 @dataclass
@@ -200,6 +217,42 @@ def arithmetic_attempt(proxy_url: str, rollout_id: str, attempt_id: str, task: A
                    out.choices[0].finish_reason == "length")
 
 
+def calculator_task(version: int, group: int, max_operand: int) -> CalculatorTask:
+    """The group's question, A and B in 10..max_operand, fixed by (version, group)."""
+    rng = random.Random(version * 1000 + group)
+    return CalculatorTask(rng.randint(10, max_operand), rng.randint(10, max_operand))
+
+
+def held_out_tasks(n: int, max_operand: int, training: set[CalculatorTask]) -> list[CalculatorTask]:
+    """`n` questions from a seed stream of their own, none of them a training question of this run."""
+    rng = random.Random(7_777_777)
+    out: list[CalculatorTask] = []
+    while len(out) < n:
+        task = CalculatorTask(rng.randint(10, max_operand), rng.randint(10, max_operand))
+        if task not in training and task not in out:
+            out.append(task)
+    return out
+
+
+def calculator_attempt(proxy_url: str, rollout_id: str, attempt_id: str, task: CalculatorTask, *, max_tokens: int,
+                       temperature: float, seed: int | None, train: bool = True) -> Attempt:
+    """One episode of the Agents SDK agent; finished with its reward, or (held out) without one."""
+    episode = agents_sdk_agent.play(proxy_url, rollout_id, attempt_id, task, AGENT_KEY, api="chat",
+                                    temperature=temperature, max_tokens=max_tokens, seed=seed,
+                                    reward=answer_score if train else None)
+    score = episode.reward if train else answer_score(task, episode.answer)
+    return Attempt(score, episode.answer, calls=episode.calls, valid_calls=episode.valid_calls(task),
+                   tool_calls=len(episode.tool_arguments))
+
+
+def _episode_stats(attempts: list[Attempt]) -> dict[str, float | None]:
+    """Calls per episode and the share of tool calls that asked the question's numbers."""
+    calls = [a.calls for a in attempts if a.calls is not None]
+    tools = sum(a.tool_calls or 0 for a in attempts)
+    return {"calls": statistics.fmean(calls) if calls else None,
+            "valid": sum(a.valid_calls or 0 for a in attempts) / tools if tools else None}
+
+
 def _safetensors_params(model_dir: Path) -> int | None:
     """Parameter count from the safetensors headers (no torch needed)."""
     total = 0
@@ -269,12 +322,19 @@ def main() -> None:
                         "--replica-arg=--gpu-memory-utilization=0.2 so two replicas and the trainer share it)")
     parser.add_argument("--db", default=None, help="the database URL for the proxy and the trainer "
                         "(default: SQLite in --workdir)")
-    parser.add_argument("--task", choices=("letter", "arithmetic"), default="letter")
+    parser.add_argument("--task", choices=("letter", "arithmetic", "calculator"), default="letter")
+    parser.add_argument("--credit", choices=("identical", "last_only", "discounted"), default="identical",
+                        help="the trainer's credit over an episode's turns (trainer.credit)")
+    parser.add_argument("--gamma", type=float, default=0.9, help="discount per turn for --credit discounted")
+    parser.add_argument("--eval-tasks", type=int, default=64, help="calculator: held-out questions per evaluation")
+    parser.add_argument("--eval-every", type=int, default=None, help="calculator: evaluate every N versions "
+                        "(default: half the run; always at version 0 and the last)")
     parser.add_argument("--letter", default="b", help="letter: the letter the reply should be full of (default b: "
                         "see docs/learning.md for why not e)")
-    parser.add_argument("--max-operand", type=int, default=20, help="arithmetic: A and B are drawn from 1..N")
+    parser.add_argument("--max-operand", type=int, default=None, help="arithmetic: A and B are drawn from 1..N "
+                        "(default 20); calculator: from 10..N (default 999)")
     parser.add_argument("--max-tokens", type=int, default=None,
-                        help="max_tokens per completion (default: 16 for letter, 24 for arithmetic)")
+                        help="max_tokens per completion (default: 16 for letter, 24 for arithmetic, 48 for calculator)")
     parser.add_argument("--lora-rank", type=int, default=8, help="0: train and push full weights")
     parser.add_argument("--lora-alpha", type=int, default=None, help="default: 2 x rank")
     parser.add_argument("--mini-batch", type=int, default=None, help="PPO mini-batch rows (default: one step's "
@@ -303,7 +363,9 @@ def main() -> None:
     if args.lora_rank < 0:
         parser.error("--lora-rank must be >= 0 (0: full weights)")
     args.lora_alpha = args.lora_alpha or 2 * args.lora_rank or 16  # unused with full weights, but must be > 0
-    args.max_tokens = args.max_tokens or (24 if args.task == "arithmetic" else 16)
+    args.max_tokens = args.max_tokens or {"arithmetic": 24, "calculator": 48}.get(args.task, 16)
+    args.max_operand = args.max_operand or (999 if args.task == "calculator" else 20)
+    args.eval_every = args.eval_every or max(1, args.steps // 2)
     args.mini_batch = args.mini_batch or args.groups * args.group_size
     args.micro_batch = args.micro_batch or max(1, args.mini_batch // 2)
 
@@ -330,9 +392,13 @@ def main() -> None:
         replica_kwargs["dtype"] = args.dtype
     if args.max_model_len != 512:
         replica_kwargs["max_model_len"] = args.max_model_len
-    if args.kv_cache_gb is not None:
-        replica_kwargs["extra_env"] = {"VLLM_CPU_KVCACHE_SPACE": str(args.kv_cache_gb)}
+    extra_env = {"VLLM_CPU_KVCACHE_SPACE": str(args.kv_cache_gb)} if args.kv_cache_gb is not None else {}
     extra_args = list(args.replica_arg)
+    if args.task == "calculator":
+        extra_args += replica_args(args.workdir)
+        extra_env |= REPLICA_ENV
+    if extra_env:
+        replica_kwargs["extra_env"] = extra_env
     if args.lora_rank > 8:  # tools.replica passes --max-lora-rank 8; the last flag wins
         extra_args += ["--max-lora-rank", str(args.lora_rank)]
     if extra_args:
@@ -362,7 +428,8 @@ def main() -> None:
             groups=args.groups, proxy=proxy_url, token=TOKEN, mini_batch=args.mini_batch,
             micro_batch=args.micro_batch, lr=args.lr, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
             seed=args.seed, ppo_epochs=args.ppo_epochs, entropy_coeff=args.entropy_coeff, kl_coef=args.kl_coef,
-            clip_low=args.clip_ratio, clip_high=args.clip_high or args.clip_ratio, norm_adv=str(not args.no_std_norm).lower()))
+            clip_low=args.clip_ratio, clip_high=args.clip_high or args.clip_ratio, norm_adv=str(not args.no_std_norm).lower(),
+            credit=args.credit, gamma=args.gamma))
         trainer_log = open(args.workdir / "trainer.log", "wb")  # noqa: SIM115
         trainer = subprocess.Popen([str(bin_dir / "rolltap-trainer"), "run", "--config", str(config)],
                                    env=env, stdout=trainer_log, stderr=subprocess.STDOUT)
@@ -370,12 +437,32 @@ def main() -> None:
         memory.pids["trainer"] = [f"-p {trainer.pid}"]
 
         curve: list[dict[str, Any]] = []
+        scores: list[Score] = []
+        held_out = held_out_tasks(args.eval_tasks, args.max_operand, {
+            calculator_task(v, g, args.max_operand) for v in range(args.steps) for g in range(args.groups)
+        }) if args.task == "calculator" else []
         started = time.monotonic()
         deadline = started + args.minutes * 60
         version = _active_version(proxy_url)
         with httpx.Client(timeout=300, limits=httpx.Limits(max_connections=64)) as http, \
                 ThreadPoolExecutor(max_workers=args.concurrency) as pool:
+            def evaluate(v: int) -> None:
+                # Greedy, finished without a reward: recorded, never read by the trainer.
+                t_eval = time.monotonic()
+                done = list(pool.map(lambda it: calculator_attempt(
+                    proxy_url, f"eval-v{v}-q{it[0]}", "0", it[1], max_tokens=args.max_tokens, temperature=0.0,
+                    seed=None, train=False), enumerate(held_out)))
+                values = [a.reward for a in done]
+                low, high = interval(values)
+                stats = _episode_stats(done)
+                scores.append(Score(v, statistics.fmean(values), low, high, len(values), stats["calls"] or 0.0,
+                                    stats["valid"] or 0.0))
+                print(f"held-out at v{v}: {scores[-1].mean:.3f} (90% {low:.3f}-{high:.3f}), "
+                      f"{time.monotonic() - t_eval:.1f}s", flush=True)
+
             while version < args.steps and time.monotonic() < deadline:
+                if held_out and (version % args.eval_every == 0):
+                    evaluate(version)
                 t = time.monotonic()
                 if args.task == "letter":
                     jobs: list[tuple[str, str, Any]] = [
@@ -385,6 +472,12 @@ def main() -> None:
                         lambda j: run_attempt(proxy_url, j[0], j[1], j[2], api_key=AGENT_KEY, max_tokens=args.max_tokens,
                                               http=http, temperature=args.temperature, seed=_request_seed(args.seed, j[0], j[1])),
                         jobs)]
+                elif args.task == "calculator":
+                    jobs = [(f"v{version}-t{g}", str(k), calculator_task(version, g, args.max_operand))
+                            for g in range(args.groups) for k in range(args.group_size)]
+                    attempts = list(pool.map(lambda j: calculator_attempt(
+                        proxy_url, j[0], j[1], j[2], max_tokens=args.max_tokens, temperature=args.temperature,
+                        seed=_request_seed(args.seed, j[0], j[1])), jobs))
                 else:
                     jobs = [(f"v{version}-t{g}", str(k), arithmetic_task(version, g, args.max_operand))
                             for g in range(args.groups) for k in range(args.group_size)]
@@ -402,10 +495,15 @@ def main() -> None:
                     "truncated": statistics.fmean(truncated) if truncated else None,
                     "examples": [(str(jobs[i][2]), a.reply, a.reward) for i, a in enumerate(attempts)
                                  if a.reply is not None][:: args.group_size][:4],
+                    **_episode_stats(attempts),
                 })
+                agent = (f", {curve[-1]['calls']:.2f} calls/episode, valid tool calls {curve[-1]['valid']:.0%}"
+                         if curve[-1]["calls"] is not None and curve[-1]["valid"] is not None else "")
                 print(f"policy v{version}: mean reward {curve[-1]['reward']:.3f} ({len(attempts)} attempts, "
-                      f"rollout {rollout_s:.1f}s, cycle {curve[-1]['cycle_s']:.1f}s)", flush=True)
+                      f"rollout {rollout_s:.1f}s, cycle {curve[-1]['cycle_s']:.1f}s{agent})", flush=True)
                 version = _active_version(proxy_url)
+            if held_out and (not scores or scores[-1].version != version):
+                evaluate(version)  # the last version the trainer pushed
         elapsed_min = (time.monotonic() - started) / 60
         trainer.terminate()
         trainer.wait(timeout=120)
@@ -414,11 +512,14 @@ def main() -> None:
             steps = [(int(step), metrics) for step, metrics in conn.execute(
                 select(TrainingStep.step, TrainingStep.metrics).order_by(TrainingStep.step)).all()]
         engine.dispose()
+        agent_lines = _agent_section(args, engine_url=db, model=model, curve=curve, scores=scores) if held_out else []
         logged = _parse_trainer_log(args.workdir / "trainer.log")
         memory.stop()
         (args.workdir / "curve.json").write_text(json.dumps(
-            {"curve": curve, "steps": steps, "logged": logged}, indent=1, default=str))
-        _write_report(args, model, served_name, curve, steps, logged, elapsed_min, replica_start_s, memory)
+            {"curve": curve, "steps": steps, "logged": logged, "held_out": [s.__dict__ for s in scores]},
+            indent=1, default=str))
+        _write_report(args, model, served_name, curve, steps, logged, elapsed_min, replica_start_s, memory,
+                      agent_lines)
     finally:
         memory.stop()
         for proc in procs:
@@ -430,6 +531,71 @@ def main() -> None:
                     proc.kill()
         for r in replicas:
             r.stop()
+
+
+def _agent_section(args: argparse.Namespace, *, engine_url: str, model: Path, curve: list[dict[str, Any]],
+                   scores: list[Score]) -> list[str]:
+    """The calculator agent's part of the report: held-out scores, the acceptance figures, how the
+    episodes became rows (rebuilt with the trainer's code under the run's credit rule), one row
+    shown with its mask, and the agent's curves as a PNG."""
+    from transformers import AutoTokenizer
+
+    rewards = [c["reward"] for c in curve]
+    diffs = [b - a for a, b in zip(rewards, rewards[1:], strict=False)]
+    step_sd = statistics.stdev(diffs) if len(diffs) > 1 else float("nan")
+    gain = statistics.fmean(rewards[-5:]) - statistics.fmean(rewards[:5])
+    calls = [c["calls"] for c in curve if c.get("calls") is not None]
+    first, last = scores[0], scores[-1]
+    lines = ["", "## The agent: held-out score, calls, tool calls", "",
+             f"Held-out set: {first.n} questions the run never trains on (their own seed stream, none equal to a "
+             "training question), answered greedily (temperature 0) through the proxy; their attempts are finished "
+             "without a reward, so the trainer never reads them. Score: `answer_score` per question, mean with a 90% "
+             "percentile-bootstrap interval over the questions.", "",
+             "| policy version | held-out score | 90% interval | calls per episode | valid tool calls |",
+             "|---:|---:|---|---:|---:|"]
+    lines += [f"| {s.version} | {s.mean:.3f} | {s.low:.3f}-{s.high:.3f} | {s.calls:.2f} | {s.valid:.0%} |"
+              for s in scores]
+    engine = create_engine(sync_url(engine_url))
+    with engine.connect() as conn:
+        trained_eval = conn.execute(
+            select(TrainingStepAttempt.attempt_pk)
+            .join(AttemptModel, AttemptModel.id == TrainingStepAttempt.attempt_pk)
+            .where(AttemptModel.rollout_id.like("eval-%"))).all()
+        settings = TrainerSettings(model=str(model), credit=args.credit, gamma=args.gamma)
+        train_rollouts = [f"v{v}-t{g}" for v in range(len(curve)) for g in range(args.groups)]
+        samples = attempt_samples(conn, train_rollouts, settings)
+    engine.dispose()
+    episodes: dict[tuple[str, str], list[int]] = {}
+    for sm in samples:
+        episodes.setdefault((sm.rollout_id, sm.attempt_id), []).append(len(sm.triplet.seqs))
+    multi = [rows for rows in episodes.values() if sum(rows) >= 2]
+    merged = sum(len(rows) == 1 for rows in multi)
+    lines += [
+        "",
+        f"- learning: mean reward of the last five versions minus the first five: **{gain:+.3f}**; the "
+        f"version-to-version changes of the mean reward have a standard deviation of {step_sd:.3f} "
+        f"({gain / step_sd if step_sd else float('inf'):.1f}x)",
+        f"- held-out: version {first.version} {first.mean:.3f} ({first.low:.3f}-{first.high:.3f}), version "
+        f"{last.version} {last.mean:.3f} ({last.low:.3f}-{last.high:.3f}): the last is "
+        f"**{'above' if last.mean > first.high else 'not above'}** version {first.version}'s interval",
+        f"- model calls per episode (training episodes, per version): min {min(calls):.2f}, mean "
+        f"{statistics.fmean(calls):.2f}" if calls else "- model calls per episode: none recorded",
+        f"- rows: {len(multi)} training episodes with two or more kept calls, {merged} of them ({merged / len(multi):.0%}) "
+        f"merged into one row (the next prompt starts with the previous prompt + completion); credit "
+        f"`{args.credit}`{f' (gamma {args.gamma:g})' if args.credit == 'discounted' else ''} per turn" if multi
+        else "- rows: no training episode with two kept calls",
+        f"- held-out attempts consumed by a training step: **{len(trained_eval)}**",
+    ]
+    multi_rows = [sm for sm in samples if len(sm.triplet.seqs) >= 2]
+    shown = next((sm for sm in reversed(multi_rows) if sm.final_reward > 0), multi_rows[-1] if multi_rows else None)
+    if shown is not None:
+        tok = AutoTokenizer.from_pretrained(model)
+        lines += ["", "### One trained row of a multi-turn episode, with its mask", "",
+                  *row_markdown(shown, lambda ids: tok.decode(ids, skip_special_tokens=False))]
+    plot = plot_agent(curve, scores, args.out.with_name(args.out.stem + "-agent.png"),
+                      title=f"{args.title.split(':')[0]}: credit {args.credit}")
+    lines[2:2] = ["", f"![the agent's curves]({plot.name})"]
+    return lines
 
 
 def _machine() -> str:
@@ -469,7 +635,7 @@ def _fmt(value: Any, fmt: str = ".2f") -> str:
 
 def _write_report(args: argparse.Namespace, model: Path, served_name: str, curve: list[dict[str, Any]],
                   steps: list[tuple[int, Any]], logged: dict[int, dict[str, float]], elapsed_min: float,
-                  replica_start_s: float, memory: Memory) -> None:
+                  replica_start_s: float, memory: Memory, agent_lines: list[str]) -> None:
     if not curve:
         raise SystemExit("no policy version finished within the time budget: nothing to report")
     rewards = [c["reward"] for c in curve]
@@ -489,6 +655,12 @@ def _write_report(args: argparse.Namespace, model: Path, served_name: str, curve
     task_text = (f"`examples/letter_task.py` (write text full of the letter \"{args.letter}\"; reward: the share "
                  f"of \"{args.letter}\")"
                  if args.task == "letter" else
+                 "a multi-turn calculator agent written with the OpenAI Agents SDK (`examples/agents_sdk_agent.py`: "
+                 f"\"What is A + B? Use the add tool, then answer with just the number.\", A and B random in "
+                 f"10..{args.max_operand} per group; the first call must call `add`, the tool's answer goes back, the "
+                 "model replies; reward `examples.calculator.answer_score`: 1.0 for just the sum, 0.5 for the sum as "
+                 f"the last number of a longer reply; trainer credit `{args.credit}` over the turns)"
+                 if args.task == "calculator" else
                  "single-turn arithmetic (\"What is A + B? Answer with just the number.\", A and B random in "
                  f"1..{args.max_operand} per group; reward `examples.agent.score`: 1.0 when the first number in the "
                  "reply is A+B)")
@@ -501,7 +673,7 @@ def _write_report(args: argparse.Namespace, model: Path, served_name: str, curve
         f"{f', VLLM_CPU_KVCACHE_SPACE={args.kv_cache_gb}' if args.kv_cache_gb is not None else ''}"
         f"{''.join(' ' + a for a in args.replica_arg)}), the proxy on "
         f"{'SQLite' if _db_kind(args) == 'sqlite' else 'PostgreSQL'}, the trainer (`rolltap-trainer run --config`, verl GRPO, {_trained(args)}) and the "
-        f"agent ({task_text}, plain `openai` SDK).",
+        f"agent ({task_text}{'' if args.task == 'calculator' else ', plain `openai` SDK'}).",
         f"Command: `.venv/bin/python -m scripts.learn {shlex.join(sys.argv[1:])}`",
         "",
         f"- machine: {_machine()}",
@@ -620,6 +792,7 @@ def _write_report(args: argparse.Namespace, model: Path, served_name: str, curve
     plot = args.plot or args.out.with_suffix(".png")
     plot_steps(sorted(by_step.items()), plot, title=f"letter task, seed {args.seed}" if tiny else None)
     lines[2:2] = [f"![reward and entropy per step]({plot.name})", ""]
+    lines += agent_lines
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("\n".join(lines) + "\n")
     print("\n".join(lines[:14]))

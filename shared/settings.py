@@ -434,10 +434,11 @@ class TrainerSettings(BaseModel):
     )
     credit: Literal["identical", "last_only", "discounted", "per_call"] = Field(
         default="identical",
-        description="How an attempt's reward is spread over its triplets: the final reward on every triplet, "
-        "on the last one only, discounted by `gamma` per triplet from the end, or per-call rewards.",
+        description="How an attempt's reward is spread over its turns (one per call, also inside a merged row): "
+        "the final reward on every turn, on the last one only, discounted by `gamma` per turn from the end, "
+        "or per-call rewards.",
     )
-    gamma: float = Field(default=0.9, ge=0, le=1, description="Discount per triplet for `credit = discounted`.")
+    gamma: float = Field(default=0.9, ge=0, le=1, description="Discount per turn for `credit = discounted`.")
     include_hosted: bool = Field(
         default=False,
         description="Train on calls a hosted model answered (re-tokenised, see `model`). Off: they stay in the "

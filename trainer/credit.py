@@ -1,7 +1,9 @@
-"""Credit assignment: how an attempt's rewards become one reward per triplet.
+"""Credit assignment: how an attempt's rewards become one reward per turn.
 
-Pure functions over plain lists; no database, no torch. The attempt's triplets are
-given in order (oldest first) as the `seq` numbers of the calls each one holds.
+Pure functions over plain lists; no database, no torch. The attempt's units of credit
+are given in order (oldest first) as the `seq` numbers of the calls each one holds;
+`trainer.data` passes one unit per call (a turn), so a row that merges several calls
+gets a share per turn. The docstrings below say "triplet" for such a unit.
 
 Advantages are per attempt (`trainer.algos.attempt_advantages`: each attempt counts once
 in its group's statistics, whatever its number of triplets); `attempt_return` is the

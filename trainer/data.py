@@ -36,12 +36,18 @@ class Sample:
     attempt_id: str
     attempt_pk: int
     index: int  # position of the triplet in its attempt
-    reward: float  # this triplet's credit
+    reward: float  # this triplet's credit: the sum of its turns' (`turn_rewards`)
     final_reward: float  # the attempt's reward
     task: Any = None
-    # This triplet's share of its attempt's advantage (`credit.spread`); None for samples made
-    # elsewhere, whose batch then leaves the advantages to the update (verl's estimator by `uid`).
+    # This triplet's share of its attempt's advantage (`credit.spread`) on its last turn; None
+    # for samples made elsewhere, whose batch then leaves the advantages to the update (verl's
+    # estimator by `uid`).
     advantage: float | None = None
+    # Per turn (one per call merged into the triplet, `Triplet.turn_ends`): credit and share of
+    # the advantage. Credit is given per turn, so `last_only` trains only the last call's
+    # tokens of a merged multi-turn row. None: `reward` / `advantage` on every turn.
+    turn_rewards: list[float] | None = None
+    turn_advantages: list[float] | None = None
     attempt_advantage: float = 0.0  # the attempt's advantage in its group (`algos.attempt_advantages`)
     attempt_return: float = 0.0  # what the group's statistics saw of this attempt (`credit.attempt_return`)
     group_size: int = 0  # attempts in the group's statistics
@@ -98,7 +104,7 @@ def limits_from(settings: TrainerSettings, current_version: int = 0) -> BuildLim
 class _AttemptPart:
     attempt: AttemptRow
     triplets: list[Triplet]
-    credits: list[float]
+    credits: list[float]  # one per turn, over the triplets' turns in order
     ret: float | None  # None: no reward (never selected by the reader; kept out of the statistics)
 
 
@@ -108,7 +114,9 @@ def _attempt_part(attempt: AttemptRow, settings: TrainerSettings, limits: BuildL
     if not attempt.rewards:  # never selected by the reader; an export of hand-made groups may have one
         return _AttemptPart(attempt, [], [], None), drops
     call_seq = {c.call_id: c.seq for c in attempt.calls}
-    credits = assign_credit(settings.credit, [t.seqs for t in triplets], attempt.rewards, call_seq, settings.gamma)
+    # Credit goes to turns (calls), not rows: a merged row holds several turns, each its own share.
+    turns = [[seq] for t in triplets for seq in t.seqs]
+    credits = assign_credit(settings.credit, turns, attempt.rewards, call_seq, settings.gamma)
     # An attempt counts in its group's statistics with its whole return, also when every call
     # was dropped: its reward is still a sample of what the policy scores on the task.
     return _AttemptPart(attempt, triplets, credits, attempt_return(settings.credit, attempt.rewards, call_seq)), drops
@@ -167,17 +175,23 @@ def _add_samples(out: DataRead, kept: list[tuple[Group, list[_AttemptPart]]], se
             continue
         size, mean, std = adv.group_stats.get(group.group_id, (0, 0.0, 0.0))
         final = final_reward(part.attempt.rewards)
-        shares: list[float | None] = (
-            [None] * len(part.triplets) if settings.adv_estimator == "gae"  # per token, by the critic: the update's
+        shares: list[float] | None = (
+            None if settings.adv_estimator == "gae"  # per token, by the critic: the update's
             else list(credit.spread(settings.credit, a_adv, part.credits, settings.gamma))
         )
-        for i, (t, r, share) in enumerate(zip(part.triplets, part.credits, shares, strict=True)):
+        start = 0
+        for i, t in enumerate(part.triplets):
+            end = start + len(t.seqs)
+            rewards = part.credits[start:end]
+            turn_shares = None if shares is None else shares[start:end]
             out.samples.append(Sample(
-                t, group.group_id, part.attempt.rollout_id, part.attempt.attempt_id, part.attempt.pk, i, r,
-                final if final is not None else float(part.ret or 0.0), part.attempt.task,
-                advantage=share, attempt_advantage=a_adv, attempt_return=float(part.ret or 0.0),
-                group_size=size, group_mean=mean, group_std=std,
+                t, group.group_id, part.attempt.rollout_id, part.attempt.attempt_id, part.attempt.pk, i,
+                float(sum(rewards)), final if final is not None else float(part.ret or 0.0), part.attempt.task,
+                advantage=None if turn_shares is None else turn_shares[-1], attempt_advantage=a_adv,
+                attempt_return=float(part.ret or 0.0), group_size=size, group_mean=mean, group_std=std,
+                turn_rewards=rewards, turn_advantages=turn_shares,
             ))
+            start = end
 
 
 def read_samples(

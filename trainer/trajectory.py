@@ -90,6 +90,9 @@ class Triplet:
 
     `response_ids`, `response_mask` and `response_logprobs` have one entry per response
     token. Mask 1 marks tokens the model generated, 0 the tokens between calls.
+    `turn_ends[k]` is where call k's completion ends in the response (exclusive): a turn is
+    one call, the tokens from the previous turn's end up to its own (glue, then completion),
+    so credit can be given per turn inside a merged row.
     `response_logprobs` holds the replica's logprob at generated tokens and 0.0 at masked
     ones; it is None when any merged call came without logprobs, or when re-tokenised.
     """
@@ -100,6 +103,7 @@ class Triplet:
     response_logprobs: list[float] | None = field(default_factory=list)
     call_ids: list[str] = field(default_factory=list)
     seqs: list[int] = field(default_factory=list)
+    turn_ends: list[int] = field(default_factory=list)
     policy_version: int | None = None
     retokenized: bool = False
     temperature: float = DEFAULT_TEMPERATURE  # the sampling temperature of every call in it
@@ -109,6 +113,7 @@ class Triplet:
         self.response_mask.extend([0] * len(glue))
         self.response_ids.extend(completion)
         self.response_mask.extend([1] * len(completion))
+        self.turn_ends.append(len(self.response_ids))
         if self.response_logprobs is not None and logprobs is not None:
             self.response_logprobs.extend([0.0] * len(glue))
             self.response_logprobs.extend(float(x) for x in logprobs)

@@ -11,6 +11,7 @@ import pytest
 
 from shared.settings import TrainerSettings
 from tests.trainer.conftest import Db, tokens_call
+from trainer.batch import build_batch
 from trainer.data import read_samples
 from trainer.drops import drop_counts
 from trainer.export import export_triplets
@@ -110,3 +111,33 @@ def test_a_cut_response_without_all_its_tokens_is_dropped_and_reported(db: Db) -
     assert data.drops[0].detail is not None and "max_body_bytes" in data.drops[0].detail
     with db.engine.connect() as conn:
         assert drop_counts(conn) == {"response_truncated": 1}
+
+
+@pytest.mark.parametrize("credit", ["identical", "last_only", "discounted"])
+def test_credit_is_per_turn_inside_a_merged_row(db: Db, tmp_path: Path, credit: str) -> None:
+    # Two calls merged into one row (the second prompt extends the first prompt + completion,
+    # with a tool answer between), then an unrelated call: three turns in two rows.
+    merged = [tokens_call([1, 2], [3, 4]), tokens_call([1, 2, 3, 4, 90, 91], [5, 6, 7]), tokens_call([50], [51])]
+    db.attempt("g", "win", reward=1.0, calls=merged)
+    db.attempt("g", "lose", reward=0.0, calls=[tokens_call([60], [61])])
+    settings = TrainerSettings(group_size=2, credit=credit, gamma=0.5)  # type: ignore[arg-type]
+    out = tmp_path / "rows.jsonl"
+    export_triplets(db.engine, settings, out, "jsonl")
+    rows = {(r["attempt_id"], r["triplet_index"]): r for r in map(json.loads, out.read_text().splitlines())}
+    row = rows[("win", 0)]
+    assert row["response_ids"] == [3, 4, 90, 91, 5, 6, 7] and row["response_mask"] == [1, 1, 0, 0, 1, 1, 1]
+    assert row["turn_ends"] == [2, 7] and rows[("win", 1)]["turn_ends"] == [1]
+    a = GRPO_2
+    expected = {"identical": [a, a, a], "last_only": [0.0, 0.0, a], "discounted": [0.25 * a, 0.5 * a, a]}[credit]
+    got = [*row["turn_advantages"], *rows[("win", 1)]["turn_advantages"]]
+    assert got == pytest.approx(expected, abs=1e-6)
+    assert row["advantage"] == pytest.approx(expected[1], abs=1e-6)  # the row's last turn
+    assert row["reward"] == pytest.approx(sum(row["turn_rewards"]))
+
+    # The batch puts each turn's share on its own generated tokens, nothing on the tool answer.
+    samples = [s for s in read_samples(db.engine, settings).samples if s.attempt_id == "win" and s.index == 0]
+    batch = build_batch(samples)
+    adv = batch.tensors["advantages"][0].tolist()
+    assert adv == pytest.approx([expected[0]] * 2 + [0.0, 0.0] + [expected[1]] * 3, abs=1e-6)
+    scores = batch.tensors["token_level_scores"][0].tolist()
+    assert scores[1] == pytest.approx(row["turn_rewards"][0]) and scores[6] == pytest.approx(row["turn_rewards"][1])

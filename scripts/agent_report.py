@@ -1,0 +1,126 @@
+"""What `scripts/learn.py --task calculator` adds to its report: the held-out score with its interval,
+the agent's curves (reward, calls per episode, valid tool calls, held-out score) as one PNG, and one
+trained row of an episode shown token by token with its mask.
+
+The rows are rebuilt from the run's database with the trainer's own code (`trainer.reader`,
+`trainer.data`), under the run's credit rule: what is shown is what the update trained on.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import Connection, select
+
+from shared.db.models import Attempt, Rollout
+from shared.settings import TrainerSettings
+from trainer.data import Sample, build_samples
+from trainer.reader import load_attempt_data
+from trainer.records import AttemptRow, Group
+
+__all__ = ["Score", "attempt_samples", "interval", "plot_agent", "row_markdown"]
+
+
+@dataclass(frozen=True)
+class Score:
+    """A held-out evaluation at one policy version: the mean score and its 90% bootstrap interval."""
+
+    version: int
+    mean: float
+    low: float
+    high: float
+    n: int
+    calls: float  # model calls per episode
+    valid: float  # share of tool calls that asked the question's numbers
+
+
+def interval(values: Sequence[float], *, level: float = 0.9, resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """Percentile bootstrap interval of the mean over `values` (one per held-out task)."""
+    rng = random.Random(seed)
+    n = len(values)
+    means = sorted(statistics.fmean(rng.choices(values, k=n)) for _ in range(resamples))
+    cut = (1 - level) / 2
+    return means[int(cut * resamples)], means[min(resamples - 1, int((1 - cut) * resamples))]
+
+
+def attempt_samples(conn: Connection, rollout_ids: Sequence[str], settings: TrainerSettings) -> list[Sample]:
+    """The rows the trainer builds from these rollouts' attempts, consumed or not (read-only)."""
+    rows = conn.execute(
+        select(Attempt.id, Attempt.rollout_id, Attempt.attempt_id, Rollout.group_id, Attempt.status,
+               Attempt.policy_version, Attempt.finished_at)
+        .join(Rollout, Rollout.rollout_id == Attempt.rollout_id)
+        .where(Attempt.rollout_id.in_(list(rollout_ids)))
+        .order_by(Attempt.id)
+    ).all()
+    attempts = [AttemptRow(pk, rid, aid, gid or rid, status, int(v or 0), finished or datetime.now(UTC))
+                for pk, rid, aid, gid, status, v, finished in rows]
+    load_attempt_data(conn, attempts)
+    groups: dict[str, list[AttemptRow]] = {}
+    for a in attempts:
+        groups.setdefault(a.group_id, []).append(a)
+    return build_samples([Group(g, members, True) for g, members in groups.items()], settings).samples
+
+
+def row_markdown(sample: Sample, decode: Any) -> list[str]:
+    """One row as Markdown: the prompt, then the response turn by turn, generated text (mask 1) apart
+    from what the trainer masked (mask 0: the tool's answer and the template's glue)."""
+    t = sample.triplet
+    lines = [f"Rollout `{sample.rollout_id}`, attempt `{sample.attempt_id}`: {len(t.seqs)} calls (seqs "
+             f"{t.seqs}) in one row; prompt {len(t.prompt_ids)} tokens, response {len(t.response_ids)} tokens, "
+             f"of which {sum(t.response_mask)} trained (mask 1); per-turn advantages "
+             f"{[round(a, 3) for a in sample.turn_advantages or []]}.", "",
+             "| part | mask | tokens | text |", "|---|---:|---:|---|",
+             f"| prompt | - | {len(t.prompt_ids)} | `{_cell(decode(t.prompt_ids))}` |"]
+    start = 0
+    for i in range(1, len(t.response_mask) + 1):
+        if i == len(t.response_mask) or t.response_mask[i] != t.response_mask[start]:
+            mask = t.response_mask[start]
+            part = "generated" if mask else "masked (tool answer, template)"
+            lines.append(f"| {part} | {mask} | {i - start} | `{_cell(decode(t.response_ids[start:i]))}` |")
+            start = i
+    return lines
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", "\\n").replace("`", "'")
+
+
+def plot_agent(curve: Sequence[dict[str, Any]], scores: Sequence[Score], out: Path, *, title: str) -> Path:
+    """Four panels over policy versions: mean reward, model calls per episode, valid tool calls, held-out score."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    versions = [c["version"] for c in curve]
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7), sharex=True)
+    panels = (("reward", "mean reward (training episodes)", (0, 1.05)),
+              ("calls", "model calls per episode", None),
+              ("valid", "tool calls asking the question's numbers", (0, 1.05)))
+    for ax, (key, label, ylim) in zip(axes.flat, panels, strict=False):
+        ax.plot(versions, [c.get(key) for c in curve], marker=".", lw=1)
+        ax.set_title(label, fontsize=10)
+        if ylim:
+            ax.set_ylim(*ylim)
+        ax.grid(alpha=0.3)
+    ax = axes.flat[3]
+    ax.errorbar([s.version for s in scores], [s.mean for s in scores],
+                yerr=[[s.mean - s.low for s in scores], [s.high - s.mean for s in scores]],
+                marker="o", capsize=4, lw=1)
+    ax.set_title(f"held-out score (greedy, {scores[0].n if scores else 0} tasks, 90% interval)", fontsize=10)
+    ax.set_ylim(0, 1.05)
+    ax.grid(alpha=0.3)
+    for ax in axes[1]:
+        ax.set_xlabel("policy version")
+    fig.suptitle(title, fontsize=11)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
