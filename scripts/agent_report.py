@@ -24,7 +24,7 @@ from trainer.data import Sample, build_samples
 from trainer.reader import load_attempt_data
 from trainer.records import AttemptRow, Group
 
-__all__ = ["Score", "attempt_samples", "interval", "plot_agent", "row_markdown"]
+__all__ = ["Score", "attempt_samples", "interval", "main", "plot_agent", "plot_compare", "row_markdown"]
 
 
 @dataclass(frozen=True)
@@ -124,3 +124,54 @@ def plot_agent(curve: Sequence[dict[str, Any]], scores: Sequence[Score], out: Pa
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
+
+
+def plot_compare(runs: Sequence[tuple[str, dict[str, Any]]], out: Path, *, title: str) -> Path:
+    """Runs side by side (each a label and its `curve.json`): mean reward, valid tool calls and the
+    held-out score per policy version, one line per run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    for label, data in runs:
+        curve = data["curve"]
+        versions = [c["version"] for c in curve]
+        axes[0].plot(versions, [c["reward"] for c in curve], marker=".", lw=1, label=label)
+        axes[1].plot(versions, [c.get("valid") for c in curve], marker=".", lw=1, label=label)
+        held = data.get("held_out") or []
+        axes[2].errorbar([h["version"] for h in held], [h["mean"] for h in held],
+                         yerr=[[h["mean"] - h["low"] for h in held], [h["high"] - h["mean"] for h in held]],
+                         marker="o", capsize=4, lw=1, label=label)
+    for ax, name in zip(axes, ("mean reward (training episodes)", "tool calls asking the question's numbers",
+                               "held-out score (90% interval)"), strict=True):
+        ax.set_title(name, fontsize=10)
+        ax.set_xlabel("policy version")
+        ax.set_ylim(0, 1.05)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=11)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """`python -m scripts.agent_report LABEL=CURVE_JSON ... --out PNG [--title T]`: runs compared."""
+    import argparse
+    import json
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("runs", nargs="+", metavar="LABEL=CURVE_JSON")
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--title", default="credit over turns compared")
+    args = parser.parse_args(argv)
+    runs = [(label, json.loads(Path(path).read_text())) for label, path in (r.split("=", 1) for r in args.runs)]
+    print(plot_compare(runs, args.out, title=args.title))
+
+
+if __name__ == "__main__":
+    main()
