@@ -14,9 +14,10 @@ give every turn a row of its own. SmolLM2-Instruct and the tests' tiny model sha
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
-__all__ = ["REPLICA_ENV", "TEMPLATE", "replica_args", "write_template"]
+__all__ = ["REPLICA_ENV", "SEPARATORS", "TEMPLATE", "replica_args", "write_template"]
 
 # vLLM's default for a named tool choice with the hermes parser is a structural tag: the model
 # writes `<tool_call>{"name": ..., "arguments": ...}</tool_call>` with free whitespace inside,
@@ -38,7 +39,7 @@ TEMPLATE = (
     "{%- for call in message['tool_calls'] -%}"
     "{%- set fn = call['function'] if call['function'] is defined else call -%}"
     "{%- if fn['arguments'] is string -%}{{- fn['arguments'] -}}"
-    "{%- else -%}{{- fn['arguments'] | tojson -}}{%- endif -%}"
+    "{%- else -%}{{- fn['arguments'] | tojson(separators=SEPARATORS) -}}{%- endif -%}"
     "{%- endfor -%}"
     "{%- else -%}{{- message['content'] or '' -}}{%- endif -%}"
     "{{- '<|im_end|>\\n' -}}"
@@ -48,14 +49,21 @@ TEMPLATE = (
 )
 
 
-def write_template(folder: Path) -> Path:
-    """Write the template where a replica can read it; returns the file."""
+# The separators each backend writes JSON with when it may not add whitespace (measured: xgrammar
+# 0.2 `{"a": 1, "b": 2}`, llguidance 1.7 `{"a":1,"b":2}`).
+SEPARATORS = {"xgrammar": "(', ', ': ')", "guidance": "(',', ':')"}
+
+
+def write_template(folder: Path, backend: str = "xgrammar") -> Path:
+    """Write the template for `backend` where a replica can read it; returns the file."""
     path = folder / "calculator-template.jinja"
-    path.write_text(TEMPLATE)
+    path.write_text(TEMPLATE.replace("SEPARATORS", SEPARATORS[backend]))
     return path
 
 
-def replica_args(folder: Path) -> list[str]:
-    """vLLM flags for a replica serving the calculator agent (the tool parser is tools.replica's)."""
-    return ["--chat-template", str(write_template(folder)),
-            "--structured-outputs-config", '{"backend": "xgrammar", "disable_any_whitespace": true}']
+def replica_args(folder: Path, backend: str = "xgrammar") -> list[str]:
+    """vLLM flags for a replica serving the calculator agent (the tool parser is tools.replica's).
+    `backend`: the structured-output engine that constrains the forced call (xgrammar or guidance,
+    the two that honour `disable_any_whitespace`)."""
+    config = json.dumps({"backend": backend, "disable_any_whitespace": True})
+    return ["--chat-template", str(write_template(folder, backend)), "--structured-outputs-config", config]

@@ -326,6 +326,8 @@ def main() -> None:
     parser.add_argument("--credit", choices=("identical", "last_only", "discounted"), default="identical",
                         help="the trainer's credit over an episode's turns (trainer.credit)")
     parser.add_argument("--gamma", type=float, default=0.9, help="discount per turn for --credit discounted")
+    parser.add_argument("--grammar-backend", choices=("xgrammar", "guidance"), default="xgrammar",
+                        help="calculator: the replicas' structured-output backend for the forced tool call")
     parser.add_argument("--eval-tasks", type=int, default=64, help="calculator: held-out questions per evaluation")
     parser.add_argument("--eval-every", type=int, default=None, help="calculator: evaluate every N versions "
                         "(default: half the run; always at version 0 and the last)")
@@ -395,7 +397,7 @@ def main() -> None:
     extra_env = {"VLLM_CPU_KVCACHE_SPACE": str(args.kv_cache_gb)} if args.kv_cache_gb is not None else {}
     extra_args = list(args.replica_arg)
     if args.task == "calculator":
-        extra_args += replica_args(args.workdir)
+        extra_args += replica_args(args.workdir, args.grammar_backend)
         extra_env |= REPLICA_ENV
     if extra_env:
         replica_kwargs["extra_env"] = extra_env
