@@ -9,6 +9,7 @@ The rows are rebuilt from the run's database with the trainer's own code (`train
 from __future__ import annotations
 
 import random
+import re
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -24,7 +25,8 @@ from trainer.data import Sample, build_samples
 from trainer.reader import load_attempt_data
 from trainer.records import AttemptRow, Group
 
-__all__ = ["Score", "attempt_samples", "interval", "main", "plot_agent", "plot_compare", "row_markdown"]
+__all__ = ["Score", "attempt_samples", "curve_from_log", "interval", "main", "plot_agent", "plot_compare",
+           "row_markdown"]
 
 
 @dataclass(frozen=True)
@@ -159,8 +161,27 @@ def plot_compare(runs: Sequence[tuple[str, dict[str, Any]]], out: Path, *, title
     return out
 
 
+_VERSION_LINE = re.compile(r"^policy v(\d+): mean reward ([\d.]+) .*?(?:, ([\d.]+) calls/episode, valid tool calls (\d+)%)?\)$")
+_HELD_OUT_LINE = re.compile(r"^held-out at v(\d+): ([\d.]+) \(90% ([\d.]+)-([\d.]+)\)")
+
+
+def curve_from_log(text: str) -> dict[str, Any]:
+    """A run's curve from the lines `scripts.learn` prints as it goes (`policy vN: ...`, `held-out at
+    vN: ...`): what is left of a run stopped before it wrote `curve.json`."""
+    curve: list[dict[str, Any]] = []
+    held: list[dict[str, Any]] = []
+    for line in text.splitlines():
+        if m := _VERSION_LINE.match(line.strip()):
+            curve.append({"version": int(m[1]), "reward": float(m[2]), "calls": float(m[3]) if m[3] else None,
+                          "valid": int(m[4]) / 100 if m[4] else None})
+        elif m := _HELD_OUT_LINE.match(line.strip()):
+            held.append({"version": int(m[1]), "mean": float(m[2]), "low": float(m[3]), "high": float(m[4])})
+    return {"curve": curve, "held_out": held}
+
+
 def main(argv: Sequence[str] | None = None) -> None:
-    """`python -m scripts.agent_report LABEL=CURVE_JSON ... --out PNG [--title T]`: runs compared."""
+    """`python -m scripts.agent_report LABEL=RUN ... --out PNG [--title T]`: runs compared, each RUN a
+    `curve.json` or the log `scripts.learn` printed (a run stopped before its report)."""
     import argparse
     import json
 
@@ -169,7 +190,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--title", default="credit over turns compared")
     args = parser.parse_args(argv)
-    runs = [(label, json.loads(Path(path).read_text())) for label, path in (r.split("=", 1) for r in args.runs)]
+    runs = [(label, json.loads(text) if path.endswith(".json") else curve_from_log(text))
+            for label, path in (r.split("=", 1) for r in args.runs) for text in [Path(path).read_text()]]
     print(plot_compare(runs, args.out, title=args.title))
 
 

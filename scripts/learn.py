@@ -680,7 +680,7 @@ def _write_report(args: argparse.Namespace, model: Path, served_name: str, curve
         "",
         f"- machine: {_machine()}",
         f"- settings: {args.groups} groups x {args.group_size} attempts per policy version, max_tokens "
-        f"{args.max_tokens}, temperature 1.0; trainer lr {args.lr:g}, {_trained(args)}, mini-batch {args.mini_batch}, micro-batch {args.micro_batch}, "
+        f"{args.max_tokens}, temperature {args.temperature:g}; trainer lr {args.lr:g}, {_trained(args)}, mini-batch {args.mini_batch}, micro-batch {args.micro_batch}, "
         f"PPO epochs {args.ppo_epochs}, clip ratio {args.clip_ratio:g}, entropy_coeff {args.entropy_coeff:g}, "
         f"kl_coef {args.kl_coef:g}, GRPO {'without' if args.no_std_norm else 'with'} the std division, "
         f"{'fp32' if _gpu() == 'no GPU' else 'bf16 compute, fp32 master weights'}, max_staleness 1, seed {args.seed}",

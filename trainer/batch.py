@@ -10,7 +10,7 @@ longest response in the batch:
     attention_mask     (B, P+R)  int64  1 on every real token (masked turns included)
     position_ids       (B, P+R)  int64  0.. over real tokens (cumsum of attention_mask - 1)
     response_mask      (B, R)    int64  1 on generated tokens only: what the loss sees
-    token_level_scores (B, R)    float32  each turn's credit on its last token (`Sample.turn_rewards`)
+    token_level_scores (B, R)    float32  the row's reward (`Sample.reward`) on its last response token
     token_level_rewards(B, R)    float32  same (a KL-in-reward step would subtract from it)
     advantages         (B, R)    float32  each turn's advantage (`Sample.turn_advantages`) on its generated tokens;
                                           absent when any sample has none (the update then computes them)
@@ -117,12 +117,11 @@ def build_batch(
         if pad_flags[i]:
             continue  # no loss, no reward, no logprobs
         response_mask[i, :n_r] = t.response_mask
-        # Each turn's credit on its last token (a turn ends with a completion), its share of the
-        # advantage on its own generated tokens; glue between turns has mask 0.
+        # The row's reward on its last token (always generated: a triplet ends with a completion):
+        # verl's outcome estimators and GAE sum a row's token rewards, so per-turn credit lives in
+        # the advantages below, each turn's share on its own generated tokens (glue has mask 0).
+        scores[i, n_r - 1] = s.reward
         starts, ends = [0, *t.turn_ends[:-1]], t.turn_ends or [n_r]
-        turn_rewards = s.turn_rewards or [0.0] * (len(ends) - 1) + [s.reward]
-        for end, r in zip(ends, turn_rewards, strict=True):
-            scores[i, end - 1] = r
         if s.advantage is not None:
             shares = s.turn_advantages or [s.advantage] * len(ends)
             mask_i = np.asarray(t.response_mask, dtype=np.float32)

@@ -36,7 +36,7 @@ class Sample:
     attempt_id: str
     attempt_pk: int
     index: int  # position of the triplet in its attempt
-    reward: float  # this triplet's credit: the sum of its turns' (`turn_rewards`)
+    reward: float  # the credit of this triplet's last turn (`turn_rewards` holds every turn's)
     final_reward: float  # the attempt's reward
     task: Any = None
     # This triplet's share of its attempt's advantage (`credit.spread`) on its last turn; None
@@ -186,7 +186,7 @@ def _add_samples(out: DataRead, kept: list[tuple[Group, list[_AttemptPart]]], se
             turn_shares = None if shares is None else shares[start:end]
             out.samples.append(Sample(
                 t, group.group_id, part.attempt.rollout_id, part.attempt.attempt_id, part.attempt.pk, i,
-                float(sum(rewards)), final if final is not None else float(part.ret or 0.0), part.attempt.task,
+                rewards[-1], final if final is not None else float(part.ret or 0.0), part.attempt.task,
                 advantage=None if turn_shares is None else turn_shares[-1], attempt_advantage=a_adv,
                 attempt_return=float(part.ret or 0.0), group_size=size, group_mean=mean, group_std=std,
                 turn_rewards=rewards, turn_advantages=turn_shares,

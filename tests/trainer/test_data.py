@@ -132,7 +132,7 @@ def test_credit_is_per_turn_inside_a_merged_row(db: Db, tmp_path: Path, credit: 
     got = [*row["turn_advantages"], *rows[("win", 1)]["turn_advantages"]]
     assert got == pytest.approx(expected, abs=1e-6)
     assert row["advantage"] == pytest.approx(expected[1], abs=1e-6)  # the row's last turn
-    assert row["reward"] == pytest.approx(sum(row["turn_rewards"]))
+    assert row["reward"] == row["turn_rewards"][-1] and len(row["turn_rewards"]) == 2
 
     # The batch puts each turn's share on its own generated tokens, nothing on the tool answer.
     samples = [s for s in read_samples(db.engine, settings).samples if s.attempt_id == "win" and s.index == 0]
@@ -140,4 +140,4 @@ def test_credit_is_per_turn_inside_a_merged_row(db: Db, tmp_path: Path, credit: 
     adv = batch.tensors["advantages"][0].tolist()
     assert adv == pytest.approx([expected[0]] * 2 + [0.0, 0.0] + [expected[1]] * 3, abs=1e-6)
     scores = batch.tensors["token_level_scores"][0].tolist()
-    assert scores[1] == pytest.approx(row["turn_rewards"][0]) and scores[6] == pytest.approx(row["turn_rewards"][1])
+    assert scores == pytest.approx([0.0] * 6 + [row["reward"]])
