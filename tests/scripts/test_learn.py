@@ -4,6 +4,7 @@ and the rows it builds merge each episode's turns with the tool's answer masked 
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -14,7 +15,7 @@ from sqlalchemy import create_engine, func, select
 from sqlalchemy.orm import Session
 from transformers import AutoTokenizer
 
-from scripts.agent_report import attempt_samples
+from scripts.agent_report import attempt_samples, curve_from_log
 from shared.db.engine import sync_url
 from shared.db.models import Attempt, Call, TrainingStep, TrainingStepAttempt
 from shared.settings import TrainerSettings
@@ -27,7 +28,7 @@ STEPS, GROUPS, SIZE, EVAL = 2, 2, 3, 4
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path, str]]:
     """One short run (the replica's start-up dominates: ~2-3 minutes); its database and report."""
     tmp = tmp_path_factory.mktemp("learn")
     with database("postgresql", tmp) as url:
@@ -38,11 +39,11 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
              "--concurrency", "4", "--db", url, "--workdir", str(tmp / "work"), "--out", str(out), "--port", "8031"],
             cwd=ROOT, capture_output=True, text=True, timeout=1200)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        yield url, out
+        yield url, out, proc.stdout
 
 
-def test_the_loop_trains_and_evaluates_without_training_on_the_held_out_set(run: tuple[str, Path]) -> None:
-    url, out = run
+def test_the_loop_trains_and_evaluates_without_training_on_the_held_out_set(run: tuple[str, Path, str]) -> None:
+    url, out, _ = run
     engine = create_engine(sync_url(url))
     with engine.connect() as conn:
         assert conn.execute(select(func.count()).select_from(TrainingStep)).scalar() == STEPS
@@ -62,8 +63,8 @@ def test_the_loop_trains_and_evaluates_without_training_on_the_held_out_set(run:
     assert (out.parent / "report-agent.png").stat().st_size > 10_000
 
 
-def test_each_episode_is_one_row_with_the_tool_answer_masked(run: tuple[str, Path]) -> None:
-    url, _ = run
+def test_each_episode_is_one_row_with_the_tool_answer_masked(run: tuple[str, Path, str]) -> None:
+    url, _, _ = run
     model = ROOT / ".rolltap" / "models" / "tiny"  # what scripts.learn built and served
     tok = AutoTokenizer.from_pretrained(model)
     engine = create_engine(sync_url(url))
@@ -101,3 +102,16 @@ def test_each_episode_is_one_row_with_the_tool_answer_masked(run: tuple[str, Pat
     # Every episode called the tool first (the first turn names it): most rows merge both turns.
     assert merged >= len({(s.rollout_id, s.attempt_id) for s in samples}) // 2
 
+
+
+def test_the_printed_progress_reads_back_as_the_curve(run: tuple[str, Path, str]) -> None:
+    # What `scripts.agent_report` plots of a run cut before its report: the lines it printed.
+    _, out, stdout = run
+    printed = curve_from_log(stdout)
+    written = json.loads((out.parent / "work" / "curve.json").read_text())
+    assert [c["version"] for c in printed["curve"]] == [c["version"] for c in written["curve"]] == list(range(STEPS))
+    for p, w in zip(printed["curve"], written["curve"], strict=True):
+        assert p["reward"] == pytest.approx(w["reward"], abs=5.1e-4) and p["calls"] == pytest.approx(w["calls"], abs=5.1e-3)
+        assert p["valid"] == pytest.approx(w["valid"], abs=5.1e-3)
+    assert [(h["version"], h["mean"]) for h in printed["held_out"]] == [
+        (h["version"], pytest.approx(h["mean"], abs=5.1e-4)) for h in written["held_out"]]
