@@ -5,6 +5,7 @@ and the rows it builds merge each episode's turns with the tool's answer masked 
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -27,6 +28,12 @@ ROOT = Path(__file__).resolve().parents[2]
 STEPS, GROUPS, SIZE, EVAL = 2, 2, 3, 4
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path, str]]:
     """One short run (the replica's start-up dominates: ~2-3 minutes); its database and report."""
@@ -36,7 +43,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path, s
         proc = subprocess.run(
             [sys.executable, "-m", "scripts.learn", "--task", "calculator", "--steps", str(STEPS), "--replicas", "1",
              "--groups", str(GROUPS), "--group-size", str(SIZE), "--eval-tasks", str(EVAL), "--eval-every", str(STEPS), "--credit", "last_only",
-             "--concurrency", "4", "--db", url, "--workdir", str(tmp / "work"), "--out", str(out), "--port", "8031"],
+             "--concurrency", "4", "--db", url, "--workdir", str(tmp / "work"), "--out", str(out), "--port", str(free_port())],
             cwd=ROOT, capture_output=True, text=True, timeout=1200)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         yield url, out, proc.stdout
