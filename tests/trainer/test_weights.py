@@ -36,6 +36,13 @@ def lora_replica(tiny_model_dir: Path) -> Iterator[VllmReplica]:
 
 
 @pytest.fixture(scope="module")
+def lora_replica_b(tiny_model_dir: Path) -> Iterator[VllmReplica]:
+    """A second front end: its own API server and engine, as each of several vLLM servers on a GPU."""
+    with VllmReplica(tiny_model_dir, served_model_name="tiny", enable_lora=True) as replica:
+        yield replica
+
+
+@pytest.fixture(scope="module")
 def full_replica(tiny_model_dir: Path) -> Iterator[VllmReplica]:
     with VllmReplica(tiny_model_dir, served_model_name="tiny", dev_mode=True) as replica:
         yield replica
@@ -121,3 +128,25 @@ def test_a_replica_failing_the_push_is_drained(lora_replica: VllmReplica, proxy_
         policy = pusher.active_policy()
     assert pool == []  # drained (nothing in flight, so removed at once): not left serving v0 silently
     assert policy["version"] == 0
+
+
+@pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)
+def test_a_lora_push_reaches_every_front_end(lora_replica: VllmReplica, lora_replica_b: VllmReplica,
+                                             tiny_model_dir: Path, proxy_for: ProxyFactory, tmp_path: Path) -> None:
+    # The layout of several vLLM servers behind the proxy: after a push, greedy calls spread over
+    # every front end all answer with the new policy, and each front end serves it on its own.
+    adapter = _make_adapter(tiny_model_dir, tmp_path / "adapter-v7", seed=3)
+    fronts = [lora_replica.url, lora_replica_b.url]
+    with proxy_for(fronts, pool={"weight_mode": "lora", "policy": "round_robin"}) as proxy, \
+            WeightPusher(proxy.url, "t") as pusher:
+        before = {_greedy(proxy.url, f"spread-before-{i}")[0] for i in range(4)}
+        result = pusher.push_lora(7, adapter, base_model="tiny")
+        answers = [_greedy(proxy.url, f"spread-{i}") for i in range(8)]
+    direct = {url: httpx.post(f"{url}/v1/chat/completions", json={"model": "policy-v7", **PROMPT}, timeout=120)
+              .json()["choices"][0]["message"]["content"] for url in fronts}
+    assert sorted(result.pushed) == sorted(fronts) and not result.drained
+    assert {call["replica"] for _, call in answers} == set(fronts)  # both front ends answered
+    assert {call["policy_version"] for _, call in answers} == {7}
+    assert {text for text, _ in answers} == set(direct.values()) and len(set(direct.values())) == 1
+    assert before.isdisjoint(direct.values())  # the new policy answers differently from the base model
+    print(f"LoRA push to {len(fronts)} front ends: {result.seconds * 1000:.0f} ms")
