@@ -75,6 +75,7 @@ TOKEN = "learn-token"
 AGENT_KEY = "rk-" + secrets.token_urlsafe(32)  # the proxy's agent key for this run (proxy.agent_key)
 TOPICS = ["the sea", "trees", "a green field", "the weekend", "cheese", "three geese", "the street", "sleep"]
 PHASES = ("read_s", "update_s", "save_s", "push_s")
+RENDEZVOUS_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 
 TRAINER_CONFIG = """\
 [db]
@@ -414,7 +415,9 @@ def main() -> None:
     memory = Memory(pids={"replicas": [f"-g {r.proc.pid}" for r in replicas if r.proc is not None]})
     memory.start()
     try:
-        env = {**os.environ, "ROLLTAP_PROXY__ADMIN_TOKEN": TOKEN, "ROLLTAP_PROXY__AGENT_KEY": AGENT_KEY,
+        # The trainer is a world of its own: a torch.distributed rendezvous inherited from the
+        # caller (a process that ran an updater in-process, as the tests do) points at a port in use.
+        env = {**{k: v for k, v in os.environ.items() if k not in RENDEZVOUS_ENV}, "ROLLTAP_PROXY__ADMIN_TOKEN": TOKEN, "ROLLTAP_PROXY__AGENT_KEY": AGENT_KEY,
                "ROLLTAP_PROXY__POOL__WEIGHT_MODE": "lora" if args.lora_rank else "full",
                "ROLLTAP_PROXY__RECORDER__SPOOL_DIR": str(args.workdir / "spool")}
         cmd = [str(bin_dir / "rolltap-proxy"), "--db", db, "--port", str(args.port)]

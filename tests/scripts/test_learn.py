@@ -45,7 +45,9 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path, s
              "--groups", str(GROUPS), "--group-size", str(SIZE), "--eval-tasks", str(EVAL), "--eval-every", str(STEPS), "--credit", "last_only",
              "--concurrency", "4", "--db", url, "--workdir", str(tmp / "work"), "--out", str(out), "--port", str(free_port())],
             cwd=ROOT, capture_output=True, text=True, timeout=1200)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        logs = "".join(f"\n== {f.name}\n" + f.read_text(errors="replace")[-4000:]
+                       for f in sorted((tmp / "work").glob("*.log")))
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:] + logs
         yield url, out, proc.stdout
 
 
