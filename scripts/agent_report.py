@@ -93,13 +93,28 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", "\\n").replace("`", "'")
 
 
-def plot_agent(curve: Sequence[dict[str, Any]], scores: Sequence[Score], out: Path, *, title: str) -> Path:
-    """Four panels over policy versions: mean reward, model calls per episode, valid tool calls, held-out score."""
+def _pyplot() -> Any:
+    """matplotlib's pyplot on its non-interactive backend (no display needed)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def _save(fig: Any, out: Path, title: str) -> Path:
+    fig.suptitle(title, fontsize=11)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    _pyplot().close(fig)
+    return out
+
+
+def plot_agent(curve: Sequence[dict[str, Any]], scores: Sequence[Score], out: Path, *, title: str) -> Path:
+    """Four panels over policy versions: mean reward, model calls per episode, valid tool calls, held-out score."""
+    plt = _pyplot()
     versions = [c["version"] for c in curve]
     fig, axes = plt.subplots(2, 2, figsize=(11, 7), sharex=True)
     panels = (("reward", "mean reward (training episodes)", (0, 1.05)),
@@ -120,22 +135,13 @@ def plot_agent(curve: Sequence[dict[str, Any]], scores: Sequence[Score], out: Pa
     ax.grid(alpha=0.3)
     for ax in axes[1]:
         ax.set_xlabel("policy version")
-    fig.suptitle(title, fontsize=11)
-    fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return _save(fig, out, title)
 
 
 def plot_compare(runs: Sequence[tuple[str, dict[str, Any]]], out: Path, *, title: str) -> Path:
     """Runs side by side (each a label and its `curve.json`): mean reward, valid tool calls and the
     held-out score per policy version, one line per run."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
     for label, data in runs:
         curve = data["curve"]
@@ -153,12 +159,7 @@ def plot_compare(runs: Sequence[tuple[str, dict[str, Any]]], out: Path, *, title
         ax.set_ylim(0, 1.05)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle(title, fontsize=11)
-    fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return _save(fig, out, title)
 
 
 _VERSION_LINE = re.compile(r"^policy v(\d+): mean reward ([\d.]+) .*?(?:, ([\d.]+) calls/episode, valid tool calls (\d+)%)?\)$")
