@@ -9,7 +9,8 @@
 # usage: scripts/gpu-run.sh OUT [learn] [scripts.learn flags...]   (flags after OUT override the defaults)
 #        scripts/gpu-run.sh OUT agents [scripts.learn flags...]
 #          (the Agents SDK calculator agent, two credit rules at once: identical and last_only, each
-#          with its own replicas, proxy and database; docs/agents-learning.md)
+#          with its own replicas, proxy and database; docs/agents-learning.md). It takes about 16
+#          minutes, more than one device call: start it under `setsid` and wait for it in the next call.
 #        scripts/gpu-run.sh OUT throughput [bench.rollout_throughput flags...]
 #          (replica layouts on the GPU, direct and through the proxy: SERVERS, KV_BYTES below)
 # env:   STASH  where the bundle parts were gathered (default /root/stash): NAME.tar.xz.NN, NAME.tar.xz.sha256
@@ -124,13 +125,13 @@ if [ "$MODE" = throughput ]; then
   exit $rc
 fi
 if [ "$MODE" = agents ]; then
-  # Run 3's settings (docs/agents-learning.md), 36 versions each; the two runs share the GPU and the
+  # Run 3's settings (docs/agents-learning.md), 40 versions each; the two runs share the GPU and the
   # 16 cores. The second starts 30 s after the first: vLLM's memory profiling breaks when servers
   # start together. Each gets a fresh database (ids repeat from run to run).
   agent_flags=(--model-dir "$MODEL" --served-name "$NAME" --dtype bfloat16 --max-model-len 1024
     --task calculator --grammar-backend guidance --lora-rank 0 --lr 7e-6 --ppo-epochs 1 --micro-batch 48
-    --entropy-coeff 0 --steps 36 --minutes 7.5 --groups 8 --group-size 6 --max-tokens 48 --concurrency 48
-    --temperature 0.7 --eval-tasks 100 --eval-every 18 --replica-arg=--gpu-memory-utilization=0.2
+    --entropy-coeff 0 --steps 40 --minutes 16 --groups 8 --group-size 6 --max-tokens 48 --concurrency 48
+    --temperature 0.7 --eval-tasks 100 --eval-every 20 --replica-arg=--gpu-memory-utilization=0.2
     --replica-arg=--enforce-eager --replica-arg=--kv-cache-memory=8000000000)
   pids=(); port=8010
   for credit in identical last_only; do
