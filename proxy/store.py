@@ -18,7 +18,7 @@ from operator import attrgetter, itemgetter
 from typing import Any
 
 import orjson
-from sqlalchemy import Connection, Dialect, delete, func, select, text, tuple_, update
+from sqlalchemy import Connection, Dialect, delete, func, insert, select, text, tuple_, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncConnection
 
@@ -27,6 +27,7 @@ from shared.db.models import (
     Call,
     CallLease,
     ClusterState,
+    LoraAdapter,
     PolicyVersion,
     Proxy,
     Replica,
@@ -47,9 +48,11 @@ __all__ = [
     "finish_attempt",
     "interrupted_calls",
     "load_active_policy",
+    "load_adapter",
     "read_attempt",
     "register_rollout",
     "remove_undurable_sync",
+    "save_adapter",
     "save_base_policy",
     "SeqCounters",
     "set_active_policy",
@@ -634,6 +637,32 @@ async def save_base_policy(conn: AsyncConnection, served_name: str) -> None:
         .values(version=0, served_name=served_name, base_model=served_name, kind="base", is_active=True)
         .on_conflict_do_nothing(index_elements=["version"])
     )
+
+
+# -- LoRA adapters pushed as bytes (`trainer.lora_transport = "bytes"`) ----------------------
+
+async def save_adapter(conn: AsyncConnection, name: str, version: int, sha256: str, data: bytes,
+                       keep: int | None, protected: str | None) -> list[str]:
+    """Store an adapter (replacing one of that name); with `keep`, drop those more than `keep` versions
+    older, except `protected` (the active policy's). Returns the digests still stored."""
+    await conn.execute(delete(LoraAdapter).where(LoraAdapter.name == name))
+    await conn.execute(insert(LoraAdapter).values(name=name, version=version, sha256=sha256, size_bytes=len(data),
+                                                  data=data))
+    if keep is not None:
+        stale = delete(LoraAdapter).where(LoraAdapter.version <= version - keep)
+        if protected is not None:
+            stale = stale.where(LoraAdapter.name != protected)
+        await conn.execute(stale)
+    return list((await conn.execute(select(LoraAdapter.sha256).order_by(LoraAdapter.version))).scalars())
+
+
+async def load_adapter(conn: AsyncConnection, name: str) -> tuple[str, bytes, list[str]] | None:
+    """An adapter's digest and bytes, with the digests of every adapter stored; None when unknown."""
+    row = (await conn.execute(select(LoraAdapter.sha256, LoraAdapter.data).where(LoraAdapter.name == name))).first()
+    if row is None:
+        return None
+    stored = list((await conn.execute(select(LoraAdapter.sha256).order_by(LoraAdapter.version))).scalars())
+    return str(row[0]), bytes(row[1]), stored
 
 
 # -- the cluster: several proxies on one PostgreSQL database (`proxy.cluster`) --------------

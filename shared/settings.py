@@ -221,6 +221,11 @@ class LimitSettings(BaseModel):
     max_body_bytes: int = Field(
         default=32 * 1024 * 1024, ge=1024, description="Largest request body accepted (413 beyond it)."
     )
+    max_adapter_bytes: int = Field(
+        default=1024 * 1024 * 1024, ge=1024, le=1024 * 1024 * 1024,
+        description="Largest LoRA adapter the trainer may upload (`PUT /admin/adapters/{name}`, 413 beyond it); "
+        "at most 1 GiB, PostgreSQL's limit on one value. The proxy holds an upload in memory while it stores it.",
+    )
     max_header_bytes: int = Field(
         default=64 * 1024, ge=1024,
         description="Largest request header block, names and values together (431 beyond it). A block still "
@@ -280,6 +285,12 @@ class ProxySettings(BaseModel):
     )
     admin_token: SecretStr | None = Field(
         default=None, description="Bearer token for `/admin/...`; admin routes are refused when unset."
+    )
+    adapter_token: SecretStr | None = Field(
+        default=None,
+        description="Bearer token replicas' Rolltap plugin sends to fetch LoRA adapters pushed as bytes "
+        "(`GET /adapters/{name}`, `trainer.lora_transport = \"bytes\"`); the admin token is accepted too. "
+        "With neither set the route is refused. Give replicas this one, not the admin token.",
     )
     open_access: bool = Field(
         default=False,
@@ -569,6 +580,13 @@ class TrainerSettings(BaseModel):
         ge=100,
         description="Object store size when the trainer starts Ray itself (Ray's default takes ~30% of RAM).",
     )
+    ray_address: str | None = Field(
+        default=None,
+        description="Ray cluster the `ray` backend attaches to, made with `ray start --head` (and `ray start "
+        "--address` on other nodes): `auto` (the cluster started on this host) or `HOST:PORT` of its head. "
+        "Unset, the trainer starts a local Ray. Attached, the workers go on as few nodes as can hold them "
+        "(docs/scale.md); the trainer disconnects at the end and leaves the cluster running.",
+    )
     seed: int = Field(default=42, description="Seeds the LoRA initialisation and the mini-batch order.")
     checkpoint_dir: str | None = Field(
         default=None,
@@ -604,6 +622,14 @@ class TrainerSettings(BaseModel):
     )
     keep_loaded_versions: int = Field(
         default=3, ge=1, description="LoRA versions kept loaded on replicas so calls in flight end on theirs."
+    )
+    lora_transport: Literal["path", "bytes"] = Field(
+        default="path",
+        description="How a LoRA push reaches replicas. `path`: each replica loads the exported folder by its "
+        "path, so it must read the trainer's filesystem (one machine or a shared volume). `bytes`: the trainer "
+        "uploads the adapter once to the proxy, which stores it in the database, and each replica fetches it "
+        "through the Rolltap vLLM plugin (`rolltap_vllm`, configured with `ROLLTAP_LORA_SOURCE` and "
+        "`ROLLTAP_LORA_TOKEN`): no shared filesystem needed (docs/deploy.md).",
     )
     run_dir: str | None = Field(
         default=None, description="Where exported policies go; default `<checkpoint_dir>/policies`."

@@ -16,6 +16,8 @@ FORBIDDEN = {
     "trainer": {"proxy"},
     "shared": {"fastapi", "starlette", "uvicorn", "aiohttp", "torch", "verl", "ray", "vllm", "transformers",
                "proxy", "trainer"},
+    # The vLLM plugin is installed into replicas' environments, where none of Rolltap's packages is.
+    "rolltap_vllm": {"proxy", "trainer", "shared", "tools"},
 }
 
 

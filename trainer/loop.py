@@ -237,7 +237,8 @@ def _pusher(settings: Settings) -> WeightPusher | None:
     token = ts.admin_token or settings.proxy.admin_token
     if token is None:
         raise ValueError("trainer.push needs the proxy's admin token (trainer.admin_token or proxy.admin_token)")
-    return WeightPusher(ts.proxy_url, token.get_secret_value(), keep_loaded=ts.keep_loaded_versions)
+    return WeightPusher(ts.proxy_url, token.get_secret_value(), keep_loaded=ts.keep_loaded_versions,
+                        lora_transport=ts.lora_transport)
 
 
 def _base_name(engine: Engine, settings: Settings, pusher: WeightPusher | None) -> str:

@@ -2,8 +2,10 @@
 
 `PolicyUpdater` owns the policy (model, optimizer, step) through `trainer.worker.PolicyWorker`
 (verl's `TrainingWorker`), either in this process (`backend = "local"`) or as a verl
-`RayWorkerGroup` of `num_workers` FSDP2 ranks (`backend = "ray"`). The same calls run both
-ways; device choices live in `trainer/verl_cpu.py`.
+`RayWorkerGroup` of `num_workers` FSDP2 ranks (`backend = "ray"`), on a local Ray it starts
+or on a running cluster it attaches to (`ray_address`), its ranks placed over the cluster's
+nodes by `trainer.placement`. The same calls run every way; device choices live in
+`trainer/verl_cpu.py`.
 
 One `update(batch)`, on a `trainer.batch.Batch`:
 
@@ -42,7 +44,7 @@ import numpy as np
 import torch
 
 from shared.settings import TrainerSettings
-from trainer import algos, verl_cpu
+from trainer import algos, placement, verl_cpu
 from trainer.batch import Batch
 
 if TYPE_CHECKING:
@@ -79,16 +81,24 @@ def dp_order(num_rows: int, mini_batch_size: int, num_workers: int) -> torch.Ten
 
 
 def start_ray(settings: TrainerSettings, device: verl_cpu.Device) -> bool:
-    """Start a local Ray sized for `settings` unless Ray is running; True when this call started it.
+    """Connect this process to Ray unless it is; True when this call connected it.
 
-    One CPU per worker on CPU, and a capped object store (`trainer.verl_cpu.ray_options`).
+    With `settings.ray_address`, attach to that running cluster (`ray start`); else start a
+    local Ray sized for `settings`: one CPU per worker on CPU, and a capped object store
+    (`trainer.verl_cpu.ray_options`). `ray.shutdown()` undoes either: it stops a local Ray
+    and only disconnects from a cluster, which keeps running.
     """
     import ray
 
     if ray.is_initialized():
         return False
     init, _ = verl_cpu.ray_options(device, settings.num_workers)
-    ray.init(object_store_memory=settings.ray_object_store_mb << 20, **init)
+    if settings.ray_address:
+        # `ray start` sized the cluster; Ray refuses num_cpus or an object store size when attaching.
+        ray.init(address=settings.ray_address, runtime_env=init["runtime_env"])
+    else:
+        # "local" rather than None: a RAY_ADDRESS left in the environment must not turn this into an attach.
+        ray.init(address="local", object_store_memory=settings.ray_object_store_mb << 20, **init)
     return True
 
 
@@ -116,6 +126,8 @@ class PolicyUpdater:
         s = settings
         if s.backend == "local" and s.num_workers != 1:
             raise ValueError(f"backend 'local' runs one worker, not num_workers={s.num_workers}; use backend 'ray'")
+        if s.backend == "local" and s.ray_address:
+            raise ValueError(f"ray_address ({s.ray_address!r}) is for backend 'ray'; backend 'local' runs no Ray")
         per_worker = s.mini_batch_size // s.num_workers
         if s.mini_batch_size % s.num_workers or per_worker % s.micro_batch_size:
             raise ValueError(
@@ -127,7 +139,7 @@ class PolicyUpdater:
         self.device = verl_cpu.pick_device(s.device)
         self.is_lora = s.lora_rank > 0
         self._step = 0
-        self._ray: Any = None  # (worker group, resource pool, whether we started Ray)
+        self._ray: Any = None  # (worker group, resource pool, whether we connected to Ray)
         verl_cpu.setup(self.device)  # before anything imports verl's engines (trainer.worker does)
         from verl.workers.utils.losses import ppo_loss
 
@@ -204,7 +216,12 @@ class PolicyUpdater:
 
         s, env = self.settings, verl_cpu.worker_env(self.device)
         started = start_ray(s, self.device)
-        pool = RayResourcePool(process_on_nodes=[s.num_workers], **verl_cpu.ray_options(self.device, s.num_workers)[1])
+        pool_options = verl_cpu.ray_options(self.device, s.num_workers)[1]
+        capacities = placement.node_capacities(placement.worker_bundle(**pool_options))
+        per_group = placement.layout(s.num_workers, capacities)
+        logger.info("Ray backend: %d workers, %d per placement group (one node each), on %d alive nodes "
+                    "that hold %s workers", s.num_workers, per_group[0], len(capacities), capacities)
+        pool = RayResourcePool(process_on_nodes=per_group, **pool_options)
         cls = RayClassWithInitArgs(ray.remote(PolicyWorker), config=config, device=self.device, with_ref_model=with_ref)
         group = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=cls, device_name=self.device, worker_env=env)
         self._ray = (group, pool, started)
@@ -393,6 +410,13 @@ class PolicyUpdater:
         state: dict[str, Any] = self._call("training_state")
         return state
 
+    def worker_nodes(self) -> list[str]:
+        """The Ray node id each worker runs on, by rank, as the workers report it; empty for `local`."""
+        if self._ray is None:
+            return []
+        nodes: list[str] = self._worker.node_id()  # one answer per rank
+        return nodes
+
     def export(self, out_dir: str | Path, kind: Literal["lora", "full"] | None = None) -> Path:
         """Write the current policy to `out_dir` (replaced atomically) and return it.
 
@@ -470,7 +494,11 @@ class PolicyUpdater:
     # -- lifetime -------------------------------------------------------------------
 
     def close(self) -> None:
-        """Stop the Ray workers (and Ray, if this updater started it); a no-op for `local`."""
+        """Stop the Ray workers and, if this updater connected to Ray, disconnect; a no-op for `local`.
+
+        Disconnecting stops a local Ray this updater started; a cluster it attached to
+        (`ray_address`) keeps running for the next run.
+        """
         if self._ray is None:
             return
         import ray

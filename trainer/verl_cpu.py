@@ -25,8 +25,12 @@ for the reason given; nothing in verl is patched or monkey-patched:
 3. **A gloo process group, initialised before the worker.** `TrainingWorker.__init__`
    would otherwise call `init_process_group("cpu:gloo,cpu:gloo")` from the platform's
    names; one process (world size 1) also needs a rendezvous address, which Ray workers
-   get from verl's `RayWorkerGroup` (`MASTER_ADDR`/`MASTER_PORT`) and a local run from
-   `init_process_group()` here (a free localhost port).
+   get from verl's `RayWorkerGroup` (`MASTER_ADDR`/`MASTER_PORT`: rank 0's node IP, as Ray
+   knows it, and a free port there) and a local run from `init_process_group()` here (a free
+   localhost port). Gloo then connects every pair of ranks directly, each rank at the
+   address its host name resolves to, which on many hosts is loopback (`127.0.1.1` on
+   Debian): ranks on other nodes could not reach it. So a Ray worker binds gloo to the
+   interface it reaches `MASTER_ADDR` through (`GLOO_SOCKET_IFNAME`, unless already set).
 4. **Engine choices** (`engine_options()`): `strategy="fsdp2"` (verl's FSDP1 path moves
    flat parameters to `torch.device(f"{device}:{index}")`, which has no CPU spelling);
    fp32 parameters and compute (verl's default mixed precision computes in bf16, which
@@ -42,7 +46,8 @@ for the reason given; nothing in verl is patched or monkey-patched:
 5. **Ray without GPUs** (`ray_options()`): `RayResourcePool(use_gpu=False,
    max_colocate_count=1)`, so a worker's bundle asks for one CPU (the default is 10 per
    bundle), and `ray.init(num_cpus=num_workers)` with a capped `object_store_memory`
-   (Ray's default reserves ~30% of RAM in /dev/shm).
+   (Ray's default reserves ~30% of RAM in /dev/shm) when the trainer starts Ray itself; a
+   cluster it attaches to (`trainer.ray_address`) was sized by `ray start`.
 
 On a CUDA machine none of this applies: `pick_device()` returns `"cuda"`, verl detects
 its own `nvidia` platform, and `engine_options("cuda")` keeps verl's defaults (bf16
@@ -52,9 +57,11 @@ is installed, gradient checkpointing, `torch.compile`).
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import os
 import socket
+import struct
 import sys
 import types
 from collections.abc import Iterator
@@ -68,6 +75,7 @@ __all__ = [
     "Device",
     "PlatformCPU",
     "engine_options",
+    "gloo_interface",
     "init_process_group",
     "pick_device",
     "ray_options",
@@ -333,12 +341,37 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+_SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's IPv4 address
+
+
+def gloo_interface(master_addr: str) -> str | None:
+    """The network interface this host reaches the IPv4 `master_addr` through; None if unknown (item 3).
+
+    Linux only, as Ray's multi-node clusters are; None for an IPv6 or unresolvable address.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect((master_addr, 9))  # a UDP connect sends nothing: the kernel only picks route and source
+        except OSError:
+            return None
+        local = probe.getsockname()[0]
+        for _, name in socket.if_nameindex():
+            try:
+                info = fcntl.ioctl(probe.fileno(), _SIOCGIFADDR, struct.pack("256s", name.encode()))
+            except OSError:  # an interface without an IPv4 address
+                continue
+            if socket.inet_ntoa(info[20:24]) == local:  # struct ifreq: name[16], then sockaddr_in
+                return name
+    return None
+
+
 def init_process_group(device: Device) -> None:
     """Initialise torch.distributed for this process if nobody has (item 3 of the docstring).
 
     Rank, world size and rendezvous come from the env vars verl's `RayWorkerGroup` sets
-    (`RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`); a process without them is a
-    world of one on a free localhost port.
+    (`RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`), gloo's interface from
+    `gloo_interface(MASTER_ADDR)`; a process without them is a world of one on a free
+    localhost port.
     """
     import torch.distributed as dist
 
@@ -347,6 +380,10 @@ def init_process_group(device: Device) -> None:
     if "MASTER_ADDR" not in os.environ:
         port = str(_free_port())
         os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "RANK": "0", "WORLD_SIZE": "1"})
+    elif "GLOO_SOCKET_IFNAME" not in os.environ:
+        interface = gloo_interface(os.environ["MASTER_ADDR"])
+        if interface is not None:
+            os.environ["GLOO_SOCKET_IFNAME"] = interface
     backend = "gloo" if device == "cpu" else "cpu:gloo,cuda:nccl"
     dist.init_process_group(
         backend=backend, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"])

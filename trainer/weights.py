@@ -14,13 +14,23 @@ refuses a mode the replicas were not started for. A replica that fails the push 
 drained through the proxy: never left serving an old policy silently. Only then does the
 proxy's active policy move, so new calls are served by, and stamped with, the new version.
 
-The adapter or weights directory must be readable by the replicas at the same path
-(one machine, or a shared volume).
+How a LoRA adapter reaches the replicas (`trainer.lora_transport`):
+- `path`: `load_lora_adapter` with the exported folder's path, which each replica must read at
+  that path (one machine, or a shared volume).
+- `bytes`: the folder travels once per push, as an uncompressed tar with its SHA-256, to the
+  proxy (`PUT /admin/adapters/{name}`), which stores it in the database; then per replica the
+  admin control action `resolve_lora_adapter` makes vLLM ask the Rolltap plugin (`rolltap_vllm`,
+  installed beside vLLM), which fetches it from the proxy by name, checks the digest and unpacks
+  it locally. No replica reads the trainer's folders.
+Full weights are always read from a path the replicas see.
 """
 
 from __future__ import annotations
 
+import hashlib
+import io
 import logging
+import tarfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,11 +38,12 @@ from typing import Any, Literal
 
 import httpx
 
-__all__ = ["PushError", "PushResult", "WeightPusher", "lora_name"]
+__all__ = ["PushError", "PushResult", "WeightPusher", "adapter_archive", "lora_name"]
 
 logger = logging.getLogger(__name__)
 
 WeightMode = Literal["lora", "full"]
+LoraTransport = Literal["path", "bytes"]
 
 
 class PushError(RuntimeError):
@@ -51,13 +62,16 @@ class PushResult:
     pushed: list[str] = field(default_factory=list)
     drained: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    uploaded_bytes: int = 0  # the adapter's archive sent to the proxy (`bytes` transport)
 
 
 class WeightPusher:
-    def __init__(self, proxy_url: str, admin_token: str, *, keep_loaded: int = 3, timeout_s: float = 120.0) -> None:
+    def __init__(self, proxy_url: str, admin_token: str, *, keep_loaded: int = 3, timeout_s: float = 120.0,
+                 lora_transport: LoraTransport = "path") -> None:
         self._proxy = proxy_url.rstrip("/")
         self._headers = {"authorization": f"Bearer {admin_token}"}
         self._keep_loaded = keep_loaded
+        self._lora_transport = lora_transport
         self._http = httpx.Client(timeout=timeout_s)
 
     def close(self) -> None:
@@ -72,7 +86,8 @@ class WeightPusher:
     # -- the proxy's view ----------------------------------------------------------------
 
     def _admin(self, method: str, path: str, **kwargs: Any) -> Any:
-        r = self._http.request(method, f"{self._proxy}/admin{path}", headers=self._headers, **kwargs)
+        kwargs.setdefault("headers", self._headers)
+        r = self._http.request(method, f"{self._proxy}/admin{path}", **kwargs)
         if r.status_code >= 400:
             raise PushError(f"proxy {method} /admin{path}: {r.status_code} {r.text}")
         return r.json()
@@ -105,10 +120,17 @@ class WeightPusher:
         name = lora_name(version)
         result = PushResult(version, name, "lora")
         started = time.perf_counter()
-        for replica in self.replicas("lora"):
+        replicas = self.replicas("lora")
+        if self._lora_transport == "bytes":
+            # Before any replica is asked: a refused upload fails the push with every replica untouched.
+            result.uploaded_bytes = self._upload(name, version, adapter_dir)
+            action, body = "resolve_lora_adapter", {"lora_name": name}
+        else:
+            action, body = "load_lora_adapter", {"lora_name": name, "lora_path": str(adapter_dir)}
+        for replica in replicas:
             url = replica["url"]
             try:
-                self._control(url, "load_lora_adapter", {"lora_name": name, "lora_path": str(adapter_dir)})
+                self._control(url, action, body)
                 self._unload_old(url, version)
             except (httpx.HTTPError, PushError) as exc:
                 self._drain(url, str(exc))
@@ -121,6 +143,15 @@ class WeightPusher:
                                             "base_model": base_model, "path": str(adapter_dir)})
         result.seconds = time.perf_counter() - started
         return result
+
+    def _upload(self, name: str, version: int, adapter_dir: Path) -> int:
+        """The adapter's folder to the proxy's database, once for every replica; returns its size."""
+        archive = adapter_archive(adapter_dir)
+        self._admin("PUT", f"/adapters/{name}", content=archive,
+                    params={"version": version, "keep": self._keep_loaded},
+                    headers={**self._headers, "content-type": "application/octet-stream",
+                             "x-rolltap-sha256": hashlib.sha256(archive).hexdigest()})
+        return len(archive)
 
     def _unload_old(self, url: str, version: int) -> None:
         # Versions older than the last `keep_loaded` are done: their calls have long ended.
@@ -167,3 +198,20 @@ class WeightPusher:
                  params: dict[str, str] | None = None) -> None:
         """One of the replica's control routes, through the proxy's admin API (PushError when refused)."""
         self._admin("POST", "/replicas/control", json={"url": url, "action": action, "body": body, "params": params})
+
+
+def adapter_archive(adapter_dir: Path) -> bytes:
+    """The adapter's folder as an uncompressed tar (safetensors do not compress), with its files at the
+    top; the same folder gives the same bytes (sorted, times and owners zeroed), so one digest."""
+    if not (adapter_dir / "adapter_config.json").is_file():
+        raise PushError(f"{adapter_dir} is not a LoRA adapter folder (no adapter_config.json)")
+
+    def plain(info: tarfile.TarInfo) -> tarfile.TarInfo:
+        info.mtime, info.uid, info.gid, info.uname, info.gname = 0, 0, 0, "", ""
+        return info
+
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for path in sorted(adapter_dir.iterdir()):
+            tar.add(path, arcname=path.name, filter=plain)
+    return buffer.getvalue()

@@ -1,7 +1,7 @@
 """The verl worker that holds the policy: verl's `TrainingWorker` plus what rolltap adds.
 
 `PolicyWorker` is verl's `TrainingWorker` (FSDP2 engine, optimizer, `infer_batch`,
-`train_mini_batch`, sharded checkpoints) with four additions, each a registered worker
+`train_mini_batch`, sharded checkpoints) with five additions, each a registered worker
 method so it runs the same in-process and on every worker of a Ray `RayWorkerGroup`:
 
 - `init_model(seed)`: seeds torch before the engine builds the model, so the LoRA
@@ -10,6 +10,7 @@ method so it runs the same in-process and on every worker of a Ray `RayWorkerGro
   model with the adapter switched off when training LoRA, else a second, frozen copy;
 - `export_policy(out_dir, kind)`: the policy as a PEFT adapter or a full HF directory;
 - `training_state()`: full trainable parameters and optimizer state (checks and tests).
+- `node_id()`: the Ray node the worker runs on (where the workers went).
 
 Importing this module imports verl's engines, which read the platform once: in the driver,
 call `trainer.verl_cpu.setup()` first (`trainer.update` does); Ray workers get it from
@@ -91,6 +92,13 @@ class PolicyWorker(TrainingWorker):
         engine: Any = self.engine
         state: dict[str, torch.Tensor] = get_fsdp_full_state_dict(engine.module, offload_to_cpu=True, rank0_only=True)
         return state
+
+    @_worker_method(_ONE_TO_ALL)
+    def node_id(self) -> str:
+        """The Ray node this worker runs on (`PolicyUpdater.worker_nodes`)."""
+        import ray
+
+        return str(ray.get_runtime_context().get_node_id())
 
     @_worker_method(_ONE_TO_ALL)
     def training_state(self) -> dict[str, Any] | None:

@@ -21,7 +21,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from proxy import store
 from proxy.balancer import ReplicaState
 from proxy.upstream import JSON_HEADERS
-from shared.errors import Forbidden, RolltapError, ServiceUnavailable, Unauthorized
+from shared.errors import Forbidden, InvalidRequest, RolltapError, ServiceUnavailable, Unauthorized
 
 __all__ = ["router"]
 
@@ -104,6 +104,10 @@ class PolicyIn(BaseModel):
 # A replica's control routes (vLLM's server), by action name: the fixed set this API reaches.
 CONTROL_PATHS = {
     "load_lora_adapter": "/v1/load_lora_adapter",
+    # vLLM asks its LoRA resolvers (the Rolltap plugin, which fetches `GET /adapters/{name}`) about a
+    # model it does not serve only on an inference call, never on /v1/load_lora_adapter: a
+    # one-token completion naming the adapter is what makes the replica fetch and load it.
+    "resolve_lora_adapter": "/v1/completions",
     "unload_lora_adapter": "/v1/unload_lora_adapter",
     "pause": "/pause",
     "resume": "/resume",
@@ -112,8 +116,8 @@ CONTROL_PATHS = {
     "sleep": "/sleep",
     "wake_up": "/wake_up",
 }
-ControlAction = Literal["load_lora_adapter", "unload_lora_adapter", "pause", "resume", "collective_rpc",
-                        "reset_prefix_cache", "sleep", "wake_up"]
+ControlAction = Literal["load_lora_adapter", "resolve_lora_adapter", "unload_lora_adapter", "pause", "resume",
+                        "collective_rpc", "reset_prefix_cache", "sleep", "wake_up"]
 
 
 class ReplicaRefused(RolltapError):
@@ -127,7 +131,8 @@ class ControlIn(BaseModel):
     url: str = Field(description="A replica in the pool (as `GET /admin/replicas` lists it)")
     action: ControlAction
     body: dict[str, Any] | None = Field(default=None, description="JSON body for the replica, e.g. "
-                                        "`{\"lora_name\", \"lora_path\"}` or `{\"method\", \"kwargs\"}`")
+                                        "`{\"lora_name\", \"lora_path\"}` or `{\"method\", \"kwargs\"}`; "
+                                        "for `resolve_lora_adapter`, `{\"lora_name\"}`")
     params: dict[Storable, Storable] | None = Field(default=None,
                                                     description="Query parameters, e.g. `{\"mode\": \"wait\"}`")
 
@@ -255,6 +260,15 @@ async def resume(request: Request) -> dict[str, Any]:
     return {"object": "rolltap.admission", "paused": False, "in_flight": request.app.state.balancer.in_flight}
 
 
+def _resolve_payload(body: dict[str, Any] | None) -> bytes:
+    name = (body or {}).get("lora_name")
+    if not isinstance(name, str) or not name:
+        raise InvalidRequest('resolve_lora_adapter needs body {"lora_name": "..."}', param="body",
+                             code="missing_lora_name")
+    # Token id 0 exists in every vocabulary: no tokenizer assumption, and one token of work.
+    return orjson.dumps({"model": name, "prompt": [0], "max_tokens": 1, "temperature": 0})
+
+
 @router.post("/replicas/control")
 async def control_replica(body: ControlIn, request: Request) -> dict[str, Any]:
     """Call one of a replica's control routes (LoRA load/unload, pause/resume, collective_rpc, ...).
@@ -265,7 +279,10 @@ async def control_replica(body: ControlIn, request: Request) -> dict[str, Any]:
     state = request.app.state
     replica = state.balancer.get(body.url.rstrip("/").removesuffix("/v1"))
     path = CONTROL_PATHS[body.action] + ("?" + urlencode(body.params) if body.params else "")
-    payload = orjson.dumps(body.body) if body.body is not None else b""
+    if body.action == "resolve_lora_adapter":
+        payload = _resolve_payload(body.body)
+    else:
+        payload = orjson.dumps(body.body) if body.body is not None else b""
     upstream = await state.upstream.post(replica.url, path, payload, JSON_HEADERS)
     try:
         data = await upstream.read()

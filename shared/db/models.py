@@ -45,6 +45,7 @@ __all__ = [
     "ClusterState",
     "Export",
     "ExportAttempt",
+    "LoraAdapter",
     "PolicyVersion",
     "Proxy",
     "Replica",
@@ -420,3 +421,20 @@ class ClusterState(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
     epoch: Mapped[int] = mapped_column(BigInteger, nullable=False, server_default="0")
     paused: Mapped[bool] = mapped_column(Boolean, nullable=False, server_default=false())
+
+
+class LoraAdapter(Base):
+    """A LoRA adapter pushed as bytes (0010, `trainer.lora_transport = "bytes"`): the trainer uploads it
+    once (`PUT /admin/adapters/{name}`) and each replica's Rolltap plugin fetches it from any proxy
+    (`GET /adapters/{name}`), so replicas need no filesystem shared with the trainer. The newest
+    `trainer.keep_loaded_versions` stay (and the active policy's, whatever its age)."""
+
+    __tablename__ = "lora_adapters"
+
+    name: Mapped[str] = mapped_column(String(256), primary_key=True, doc="The served name (`policy-vN`).")
+    version: Mapped[int] = mapped_column(Integer, nullable=False, index=True, doc="The policy version it serves.")
+    sha256: Mapped[str] = mapped_column(String(64), nullable=False, doc="Hex SHA-256 of `data`.")
+    size_bytes: Mapped[int] = mapped_column(BigInteger, nullable=False)
+    data: Mapped[bytes] = mapped_column(
+        LargeBinary, nullable=False, doc="The adapter's folder as an uncompressed tar archive.")
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=_now())

@@ -46,7 +46,7 @@ def test_document_lists_every_route_with_its_real_codes(proxy: RunningProxy) -> 
             assert {"404", "431"} <= set(op["responses"]), (method, path)
             if path.startswith("/rollout"):
                 assert {"400", "401", "403"} <= set(op["responses"]) and op["security"], (method, path)
-    assert set(doc["components"]["securitySchemes"]) == {"AgentKey", "AgentApiKey", "AdminToken"}
+    assert set(doc["components"]["securitySchemes"]) == {"AgentKey", "AgentApiKey", "AdminToken", "AdapterToken"}
 
 
 def test_schemathesis_finds_no_server_error_and_no_schema_violation(proxy: RunningProxy) -> None:

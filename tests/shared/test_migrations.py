@@ -150,3 +150,24 @@ def test_upgrade_from_0002_with_data_keeps_calls_and_adds_verbatim_columns(db: t
     _downgrade(engine, "0002")
     with engine.connect() as conn:
         assert conn.execute(text("SELECT call_id FROM calls")).scalars().all() == ["call-1"]
+
+
+def test_upgrade_from_0009_adds_lora_adapters_and_downgrade_drops_only_them(db: tuple[DbSettings, Engine]) -> None:
+    # The schema before adapters travelled as bytes, with a policy in it, to head and back.
+    settings, engine = db
+    upgrade(settings, "0009")
+    with engine.begin() as conn:
+        conn.execute(text("INSERT INTO policy_versions (version, served_name, kind, is_active)"
+                          " VALUES (1, 'policy-v1', 'lora', true)"))
+    assert "lora_adapters" not in _user_tables(engine)
+    upgrade(settings)
+    assert _diff(engine) == []
+    with engine.begin() as conn:
+        conn.execute(text("INSERT INTO lora_adapters (name, version, sha256, size_bytes, data)"
+                          " VALUES ('policy-v1', 1, :sha, 3, :data)"), {"sha": "0" * 64, "data": b"\x00\xff\x01"})
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT data FROM lora_adapters")).scalar_one() == b"\x00\xff\x01"
+    _downgrade(engine, "0009")
+    assert "lora_adapters" not in _user_tables(engine)
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT served_name FROM policy_versions")).scalars().all() == ["policy-v1"]

@@ -201,6 +201,8 @@ def test_checkpoint_from_another_world_size_is_refused(tiny_model_dir: Path, bat
 def test_refusals(tiny_model_dir: Path, batch: Batch) -> None:
     with pytest.raises(ValueError, match="num_workers"):
         PolicyUpdater(tiny_model_dir, settings(num_workers=2))
+    with pytest.raises(ValueError, match="ray_address"):
+        PolicyUpdater(tiny_model_dir, settings(ray_address="auto"))
     with pytest.raises(ValueError, match="micro_batch_size"):
         PolicyUpdater(tiny_model_dir, settings(backend="ray", num_workers=2, mini_batch_size=2, micro_batch_size=2))
     updater = PolicyUpdater(tiny_model_dir, settings(mini_batch_size=8, micro_batch_size=4, adv_estimator="gae"))

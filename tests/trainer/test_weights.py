@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 from tests.conftest import ProxyFactory
+from tests.support.servers import free_port
 from tools.replica import VllmReplica
 from trainer.weights import PushError, WeightPusher
 
@@ -45,6 +47,42 @@ def lora_replica_b(tiny_model_dir: Path) -> Iterator[VllmReplica]:
 @pytest.fixture(scope="module")
 def full_replica(tiny_model_dir: Path) -> Iterator[VllmReplica]:
     with VllmReplica(tiny_model_dir, served_model_name="tiny", dev_mode=True) as replica:
+        yield replica
+
+
+ADAPTER_TOKEN = "rk-replica-adapter-fetch-token"
+
+
+class RemoteReplica(VllmReplica):
+    """A replica that shares no filesystem with the trainer, as on another host: it runs in a mount
+    namespace of its own where an empty tmpfs covers `hidden`, the folder the trainer exports to."""
+
+    def __init__(self, model: Path, hidden: Path, **kwargs: Any) -> None:
+        super().__init__(model, **kwargs)
+        self.hidden = hidden
+
+    def command(self) -> list[str]:
+        # exec keeps one pid from unshare to vLLM: stop() signals the process group as for any replica.
+        return ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                'mount -t tmpfs rolltap-elsewhere "$0" && exec "$@"', str(self.hidden), *super().command()]
+
+
+@pytest.fixture(scope="module")
+def trainer_only_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("trainer-only")
+
+
+@pytest.fixture(scope="module")
+def adapter_source_port() -> int:
+    """The port every proxy of the bytes test listens on: the replica's plugin is told it at start."""
+    return free_port()
+
+
+@pytest.fixture(scope="module")
+def remote_replica(tiny_model_dir: Path, trainer_only_dir: Path, adapter_source_port: int) -> Iterator[RemoteReplica]:
+    env = {"ROLLTAP_LORA_SOURCE": f"http://127.0.0.1:{adapter_source_port}", "ROLLTAP_LORA_TOKEN": ADAPTER_TOKEN}
+    with RemoteReplica(tiny_model_dir, trainer_only_dir, served_model_name="tiny", enable_lora=True,
+                       extra_env=env) as replica:
         yield replica
 
 
@@ -150,3 +188,43 @@ def test_a_lora_push_reaches_every_front_end(lora_replica: VllmReplica, lora_rep
     assert {text for text, _ in answers} == set(direct.values()) and len(set(direct.values())) == 1
     assert before.isdisjoint(direct.values())  # the new policy answers differently from the base model
     print(f"LoRA push to {len(fronts)} front ends: {result.seconds * 1000:.0f} ms")
+
+
+def test_a_lora_push_as_bytes_reaches_a_replica_that_cannot_see_the_trainers_folders(
+        remote_replica: RemoteReplica, lora_replica: VllmReplica, tiny_model_dir: Path, trainer_only_dir: Path,
+        adapter_source_port: int, proxy_for: ProxyFactory, db_url: str) -> None:
+    # A fresh version per database: the replica keeps what an earlier run of this test loaded.
+    version = 21 if db_url.startswith("sqlite") else 22
+    adapter = _make_adapter(tiny_model_dir, trainer_only_dir / f"adapter-v{version}", seed=version)
+    assert remote_replica.proc is not None
+    seen = subprocess.run(["nsenter", "--target", str(remote_replica.proc.pid), "--mount", "ls", "-A",
+                           str(trainer_only_dir)], capture_output=True, text=True, check=True).stdout
+    assert (adapter / "adapter_config.json").is_file() and seen.strip() == ""  # empty where the replica runs
+    by_path = httpx.post(f"{remote_replica.url}/v1/load_lora_adapter", timeout=120,
+                         json={"lora_name": f"by-path-v{version}", "lora_path": str(adapter)})
+    assert by_path.status_code >= 400  # the path transport cannot reach it
+    with proxy_for([remote_replica.url], pool={"weight_mode": "lora"}, port=adapter_source_port,
+                   adapter_token=ADAPTER_TOKEN) as proxy, \
+            WeightPusher(proxy.url, "t", lora_transport="bytes") as pusher:
+        before, _ = _greedy(proxy.url, f"bytes-before-v{version}")
+        result = pusher.push_lora(version, adapter, base_model="tiny")
+        after, call = _greedy(proxy.url, f"bytes-after-v{version}")
+        # A replica that lost the adapter (a restart) fetches it again on its next call.
+        httpx.post(f"{proxy.url}/admin/replicas/control", headers={"authorization": "Bearer t"}, timeout=120,
+                   json={"url": remote_replica.url, "action": "unload_lora_adapter",
+                         "body": {"lora_name": f"policy-v{version}"}}).raise_for_status()
+        healed, _ = _greedy(proxy.url, f"bytes-healed-v{version}")
+    # The same adapter loaded by path, on a replica that sees the folder, answers the same.
+    copy = f"path-copy-v{version}"
+    httpx.post(f"{lora_replica.url}/v1/load_lora_adapter", json={"lora_name": copy, "lora_path": str(adapter)},
+               timeout=120).raise_for_status()
+    try:
+        reference = httpx.post(f"{lora_replica.url}/v1/chat/completions", json={"model": copy, **PROMPT},
+                               timeout=120).json()["choices"][0]["message"]["content"]
+    finally:
+        httpx.post(f"{lora_replica.url}/v1/unload_lora_adapter", json={"lora_name": copy}, timeout=120)
+    assert result.pushed == [remote_replica.url] and not result.drained
+    assert (call["policy_version"], call["served_model"]) == (version, f"policy-v{version}")
+    assert after != before and after == reference == healed
+    print(f"LoRA push as bytes ({result.uploaded_bytes} bytes, {db_url.split(':')[0]}): "
+          f"{result.seconds * 1000:.0f} ms")
