@@ -129,7 +129,9 @@ class PolicyWorker(TrainingWorker):
             raise ValueError(f"export kind must be 'lora' or 'full', not {kind!r}")
         if kind == "lora" and not self._is_lora:
             raise ValueError("a LoRA adapter export needs LoRA training (lora_rank > 0)")
-        state = self._full_state_dict()  # collective: every rank takes part
+        # Collective: every rank takes part. An adapter needs only the LoRA tensors: gathering the
+        # whole model for it took 21 s of an 8B-class step on the H200 (docs/scale.md).
+        state = self._lora_state_dict() if kind == "lora" else self._full_state_dict()
         if dist.get_rank() != 0:
             dist.barrier()
             return None
@@ -138,7 +140,10 @@ class PolicyWorker(TrainingWorker):
             tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
-            self._write_export(state, tmp, kind)
+            if kind == "lora":
+                self._write_adapter(state, tmp)
+            else:
+                self._write_full(state, tmp)
             for f in tmp.iterdir():
                 f.chmod(0o644)  # safetensors writes 0600; a replica may run as another user
             tmp.chmod(0o755)
@@ -149,7 +154,22 @@ class PolicyWorker(TrainingWorker):
             dist.barrier()
         return str(out)
 
-    def _write_export(self, state: dict[str, torch.Tensor], tmp: Path, kind: str) -> None:
+    def _lora_state_dict(self) -> dict[str, torch.Tensor]:
+        """The LoRA tensors, whole, on rank 0's CPU (empty elsewhere); a collective over the shards."""
+        from torch.distributed.tensor import DTensor
+
+        engine: Any = self.engine
+        state: dict[str, torch.Tensor] = {}
+        for name, param in engine.module.named_parameters():
+            if "lora_" not in name:
+                continue
+            whole = param.full_tensor() if isinstance(param, DTensor) else param
+            if dist.get_rank() == 0:
+                state[name] = whole.detach().to("cpu", copy=True)
+        return state
+
+    def _write_full(self, state: dict[str, torch.Tensor], tmp: Path) -> None:
+        """A Hugging Face model directory, the adapter merged in when training LoRA."""
         from accelerate import init_empty_weights
         from transformers import AutoModelForCausalLM
 
@@ -170,10 +190,20 @@ class PolicyWorker(TrainingWorker):
             raise RuntimeError(f"export: state does not fit the model: missing={missing} unexpected={unexpected}")
         if getattr(hf_config, "tie_word_embeddings", False):
             model.tie_weights()
-        if kind == "lora":
-            model.save_pretrained(str(tmp))
-        else:
-            if self._is_lora:
-                model = model.merge_and_unload()
-            model.save_pretrained(str(tmp), safe_serialization=True)
-            self.model_config.tokenizer.save_pretrained(str(tmp))
+        if self._is_lora:
+            model = model.merge_and_unload()
+        model.save_pretrained(str(tmp), safe_serialization=True)
+        self.model_config.tokenizer.save_pretrained(str(tmp))
+
+    def _write_adapter(self, state: dict[str, torch.Tensor], tmp: Path) -> None:
+        """A PEFT adapter directory from the LoRA tensors: what `PeftModel.save_pretrained` writes."""
+        from peft.utils import get_peft_model_state_dict
+        from safetensors.torch import save_file
+
+        engine: Any = self.engine
+        config = deepcopy(engine.module.peft_config["default"])
+        adapter = get_peft_model_state_dict(engine.module, state_dict=state, adapter_name="default")
+        save_file({k: v.contiguous() for k, v in adapter.items()}, str(tmp / "adapter_model.safetensors"),
+                  metadata={"format": "pt"})
+        config.inference_mode = True  # as PEFT saves it: loaded for serving, not training
+        config.save_pretrained(str(tmp))
