@@ -89,6 +89,8 @@ def main() -> None:
     parser.add_argument("--micro-batch", type=int, default=16)
     parser.add_argument("--json", type=Path, help="also write the results here (after each kind)")
     args = parser.parse_args()
+    if args.rows < 8 or args.rows % 4:  # groups of one have advantage 0: nothing to check the update against
+        parser.error("--rows: a multiple of 4, at least 8 (4 GRPO groups of 2 or more)")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     work = Path(tempfile.mkdtemp())
     cuda = args.device != "cpu" and torch.cuda.is_available()
