@@ -18,7 +18,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -31,6 +30,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests.support.servers import free_port
 from tests.trainer import test_update
 from tests.trainer.policy_batch import policy_batch
 from tests.trainer.test_update import settings
@@ -44,12 +44,6 @@ ROOT = Path(__file__).resolve().parents[2]
 _INHERITED = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "RAY_ADDRESS", "RAY_AUTH_MODE",
               "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
 _DRIVER_TIMEOUT_S = 240
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
@@ -77,7 +71,7 @@ def _ray_start(cluster: RayCluster, name: str, *args: str) -> subprocess.Popen[b
     """One Ray node, its output in `temp_dir/<name>.log`. `--block` keeps the node's processes tied to
     this one: SIGTERM to it stops this node alone, where `ray stop` kills every Ray process on the host."""
     ray = str(Path(sys.executable).with_name("ray"))
-    ports = ["--dashboard-agent-listen-port", str(_free_port()), "--metrics-export-port", str(_free_port())]
+    ports = ["--dashboard-agent-listen-port", str(free_port()), "--metrics-export-port", str(free_port())]
     with (cluster.temp_dir / f"{name}.log").open("wb") as log:
         return subprocess.Popen(
             [ray, "start", "--block", "--num-cpus", "1", "--object-store-memory", str(100 << 20),
@@ -91,14 +85,14 @@ def two_nodes() -> Iterator[RayCluster]:
     """A head node and a worker node on this host, 1 CPU each, with their own temp dir and ports,
     so no other Ray on the machine is touched."""
     temp_dir = Path(tempfile.mkdtemp(prefix="rolltap-ray-"))  # short: Ray's socket paths must fit 107 bytes
-    port = _free_port()
+    port = free_port()
     env = {k: v for k, v in os.environ.items() if k not in _INHERITED} | {
         "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
     cluster = RayCluster(f"127.0.0.1:{port}", [], temp_dir, env)
     try:
         cluster.nodes.append(_ray_start(
             cluster, "head", "--head", "--port", str(port), "--temp-dir", str(temp_dir), "--include-dashboard",
-            "false", "--ray-client-server-port", str(_free_port())))
+            "false", "--ray-client-server-port", str(free_port())))
         deadline = time.monotonic() + 60
         while "Ray runtime started" not in (temp_dir / "head.log").read_text():
             assert cluster.nodes[0].poll() is None and time.monotonic() < deadline, cluster.logs()
