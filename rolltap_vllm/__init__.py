@@ -10,6 +10,9 @@ through the proxy (`POST /admin/replicas/control`, action `resolve_lora_adapter`
 restarted or added later fetches the active adapter on its first call the same way. Unpacked
 adapters the proxy no longer stores are deleted at the next fetch.
 
+It also registers `rolltap_shm`, a weight-transfer backend for full weights through host shared memory
+(rolltap_vllm/shm_engine.py; `trainer.weight_transfer = "shm"`).
+
 Standalone: the standard library and vLLM only, never Rolltap's packages, since it is installed
 into the replica's environment (`pip install ./rolltap_vllm`). Off unless `ROLLTAP_LORA_SOURCE` is
 set. It never logs the token.
@@ -159,8 +162,11 @@ def _resolver(source: AdapterSource) -> Any:
 
 
 def register() -> None:
-    """vLLM's `vllm.general_plugins` entry point, called in each of its processes: registers the resolver
-    when `ROLLTAP_LORA_SOURCE` is set. A source without a token fails the start: every fetch would be refused."""
+    """vLLM's `vllm.general_plugins` entry point, called in each of its processes: registers the weight-transfer
+    backend `rolltap_shm` (rolltap_vllm/shm_engine.py, loaded only when a replica is started with it) and, when
+    `ROLLTAP_LORA_SOURCE` is set, the resolver. A source without a token fails the start: every fetch would be
+    refused."""
+    _register_shm_engine()
     url = os.environ.get(ENV_SOURCE, "").strip()
     if not url:
         return
@@ -177,3 +183,14 @@ def register() -> None:
     from vllm.lora.resolver import LoRAResolverRegistry
 
     LoRAResolverRegistry.register_resolver("rolltap", _resolver(source))
+
+
+def _register_shm_engine() -> None:
+    try:
+        from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+    except ImportError:  # a vLLM without weight-transfer engines: nothing to add to
+        return
+    try:
+        WeightTransferEngineFactory.register_engine("rolltap_shm", "rolltap_vllm.shm_engine", "ShmWeightTransferEngine")
+    except ValueError:  # registered already: vLLM loads plugins once per process, but a host may call this again
+        pass

@@ -16,7 +16,7 @@ from ipaddress import ip_network
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import AliasChoices, BaseModel, Field, SecretStr, field_validator
+from pydantic import AliasChoices, BaseModel, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     JsonConfigSettingsSource,
@@ -631,6 +631,16 @@ class TrainerSettings(BaseModel):
         "through the Rolltap vLLM plugin (`rolltap_vllm`, configured with `ROLLTAP_LORA_SOURCE` and "
         "`ROLLTAP_LORA_TOKEN`): no shared filesystem needed (docs/deploy.md).",
     )
+    weight_transfer: Literal["disk", "ipc", "shm"] = Field(
+        default="disk",
+        description="How a full-weight push (`lora_rank = 0`) reaches replicas. `disk`: the trainer exports an HF "
+        "folder and each replica re-reads it (`reload_weights`; the folder's path must be readable there). "
+        "In memory, through vLLM's weight-transfer engine (replicas started with `--weight-transfer-config`), "
+        "no folder written: `ipc` hands CUDA IPC handles of the trainer's tensors to replicas on the trainer's "
+        "GPUs (backend `ipc`, and `VLLM_ALLOW_INSECURE_SERIALIZATION=1` on the replica); `shm` one host "
+        "shared-memory segment to replicas on the trainer's host (backend `rolltap_shm`, from the `rolltap_vllm` "
+        "plugin). docs/scale.md measures them.",
+    )
     run_dir: str | None = Field(
         default=None, description="Where exported policies go; default `<checkpoint_dir>/policies`."
     )
@@ -645,6 +655,14 @@ class TrainerSettings(BaseModel):
         description="Log per-step metrics to this Weights & Biases project (needs `wandb`; its own `WANDB_*` "
         "variables apply, e.g. `WANDB_MODE=offline` without network).",
     )
+
+    @model_validator(mode="after")
+    def _check_weight_transfer(self) -> TrainerSettings:
+        # A LoRA run pushes adapters, never full weights: an in-memory transfer asked for would do nothing.
+        if self.weight_transfer != "disk" and self.lora_rank > 0:
+            raise ValueError(f"weight_transfer = {self.weight_transfer!r} moves full weights; it needs lora_rank = 0 "
+                             f"(LoRA runs push adapters: see lora_transport)")
+        return self
 
 
 class Settings(BaseSettings):

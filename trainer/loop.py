@@ -37,6 +37,7 @@ from trainer.batch import Batch, build_batch
 from trainer.consumption import record_training_step
 from trainer.data import DataRead, read_samples
 from trainer.trajectory import Tokenizer
+from trainer.transfer import Backend
 from trainer.update import PolicyUpdater
 from trainer.weights import WeightPusher, lora_name
 
@@ -153,11 +154,18 @@ def _policy_row(settings: Settings, step: int, policy_dir: Path, base_name: str,
     return PolicyVersionRow(step, base_name, base_name, "full", str(policy_dir))
 
 
-def _push(pusher: WeightPusher, row: PolicyVersionRow) -> dict[str, Any]:
+def _push(pusher: WeightPusher, row: PolicyVersionRow, updater: PolicyUpdater, transfer: str) -> dict[str, Any]:
+    """`row` to every replica: an adapter, a folder to reload, or (`trainer.weight_transfer` ipc or shm) the
+    updater's weights in memory, which are row's version's."""
     if row.kind == "lora":
         result = pusher.push_lora(row.version, Path(row.path), base_model=row.base_model)
-    else:
+    elif transfer == "disk":
         result = pusher.push_full(row.version, Path(row.path), served_name=row.served_name)
+    else:
+        backend: Backend = "ipc" if transfer == "ipc" else "shm"
+        result = pusher.push_full_in_memory(row.version, served_name=row.served_name, path=row.path,
+                                            stage=lambda: updater.stage_weights(backend),
+                                            release=updater.release_weights)
     return {"push_s": result.seconds, "pushed": len(result.pushed), "drained": len(result.drained)}
 
 
@@ -186,7 +194,7 @@ def run_loop(
         _resume(engine, updater, Path(ts.checkpoint_dir))
         base_name = _base_name(engine, settings, pusher)
         if pusher is not None and updater.step > 0:
-            _repush_if_needed(pusher, engine, updater.step, run_dir, updater, base_name)
+            _repush_if_needed(pusher, engine, updater.step, run_dir, updater, base_name, ts.weight_transfer)
         # One step counter: the updater's (saved in and restored from its checkpoints).
         while updater.step < ts.max_steps and not should_stop():
             started = time.perf_counter()
@@ -203,8 +211,11 @@ def run_loop(
             step = updater.step  # counted by the update
             _crash_point("after_update", step)
             t = time.perf_counter()
-            updater.save_checkpoint()
-            policy_dir = updater.export(run_dir / f"policy-v{step}")
+            checkpoint = updater.save_checkpoint()
+            # In memory (weight_transfer ipc or shm), no folder is written: the version's weights are its
+            # checkpoint's, and a re-push after a crash sends them from the updater resumed from it.
+            in_memory = not updater.is_lora and ts.weight_transfer != "disk"
+            policy_dir = checkpoint if in_memory else updater.export(run_dir / f"policy-v{step}")
             metrics["save_s"] = time.perf_counter() - t
             row = _policy_row(settings, step, policy_dir, base_name, updater.is_lora)
             _crash_point("before_commit", step)
@@ -212,7 +223,7 @@ def run_loop(
             _commit(engine, step, data, metrics, row)
             _crash_point("after_commit", step)
             if pusher is not None:
-                metrics.update(_push(pusher, row))
+                metrics.update(_push(pusher, row, updater, ts.weight_transfer))
             metrics["step_time_s"] = time.perf_counter() - started
             # The step committed before the push (a crash between them re-pushes on restart), so
             # the push's numbers and the whole step's time are added to the step's row afterwards.
@@ -266,16 +277,22 @@ def _resume(engine: Engine, updater: PolicyUpdater, checkpoint_dir: Path) -> Non
 
 
 def _repush_if_needed(pusher: WeightPusher, engine: Engine, step: int, run_dir: Path, updater: PolicyUpdater,
-                      base_name: str) -> None:
+                      base_name: str, transfer: str) -> None:
     """A crash between commit and push leaves version N committed but not served: push it now."""
     with engine.connect() as conn:
         row = conn.execute(select(PolicyVersion).where(PolicyVersion.version == step)).scalar_one_or_none()
     active = pusher.active_policy().get("version")
     if row is None or active == step:
         return
-    policy_dir = Path(row.path) if row.path and Path(row.path).exists() else updater.export(run_dir / f"policy-v{step}")
+    if row.kind == "full" and transfer != "disk":
+        policy_dir = Path(row.path or "")
+    elif row.path and Path(row.path).exists():
+        policy_dir = Path(row.path)
+    else:
+        policy_dir = updater.export(run_dir / f"policy-v{step}")
     logger.info("version %d was committed but not active on the proxy (active: %s); pushing it", step, active)
-    _push(pusher, PolicyVersionRow(step, row.served_name, row.base_model or base_name, row.kind, str(policy_dir)))
+    _push(pusher, PolicyVersionRow(step, row.served_name, row.base_model or base_name, row.kind, str(policy_dir)),
+          updater, transfer)
 
 
 def _log_step(report: StepReport) -> None:

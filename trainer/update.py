@@ -24,7 +24,8 @@ Rows are reordered before dispatch so that with N workers each global mini-batch
 same set of rows as in one process (verl hands worker r the r-th contiguous chunk and
 splits it into mini-batches itself).
 
-Policy export (`export`) writes a PEFT adapter or a full HF directory; checkpoints
+Policy export (`export`) writes a PEFT adapter or a full HF directory; `stage_weights` holds
+the full weights in memory for vLLM's weight-transfer engine instead (trainer/transfer.py); checkpoints
 (`save_checkpoint`, `resume`) are verl's sharded FSDP checkpoints, one directory per step,
 renamed into place when complete, with a `latest` pointer.
 """
@@ -44,7 +45,7 @@ import numpy as np
 import torch
 
 from shared.settings import TrainerSettings
-from trainer import algos, placement, verl_cpu
+from trainer import algos, placement, transfer, verl_cpu
 from trainer.batch import Batch
 
 if TYPE_CHECKING:
@@ -429,6 +430,19 @@ class PolicyUpdater:
         out.parent.mkdir(parents=True, exist_ok=True)
         self._call("export_policy", str(out), kind)
         return out
+
+    def stage_weights(self, backend: transfer.Backend) -> dict[str, Any]:
+        """The full weights held in memory for vLLM's weight-transfer engine, as `/update_weights`'s
+        `update_info` (trainer/transfer.py); `release_weights()` once every replica has loaded them."""
+        if self.is_lora:
+            raise ValueError("an in-memory weight transfer moves full weights; LoRA training pushes adapters")
+        info: dict[str, Any] | None = self._call("stage_weights", backend)
+        if info is None:
+            raise RuntimeError("rank 0 staged no weights")
+        return info
+
+    def release_weights(self) -> None:
+        self._call("release_weights")
 
     # -- checkpoints ----------------------------------------------------------------
 

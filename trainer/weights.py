@@ -5,8 +5,8 @@ Two ways, measured on vLLM's own server (ARCHITECTURE.md, "Weight push"):
   `POST /v1/load_lora_adapter` under a new name per version (`policy-vN`); the last
   `keep_loaded` versions stay loaded so calls in flight finish on the version they began.
 - Full weights (replicas with `VLLM_SERVER_DEV_MODE=1`): the proxy pauses admission and
-  waits for calls in flight, then per replica `/pause?mode=wait`, `/collective_rpc`
-  `reload_weights`, `/reset_prefix_cache`, `/resume`; the proxy resumes.
+  waits for calls in flight, then per replica `/pause?mode=wait`, the new weights loaded
+  (below), `/reset_prefix_cache`, `/resume`; the proxy resumes.
 Every replica call goes through the proxy's admin API (`POST /admin/replicas/control`), so
 the trainer needs the proxy and its admin token, never a route to the replicas.
 A replica takes one mode, not both; the proxy knows each replica's mode and the push
@@ -22,7 +22,12 @@ How a LoRA adapter reaches the replicas (`trainer.lora_transport`):
   admin control action `resolve_lora_adapter` makes vLLM ask the Rolltap plugin (`rolltap_vllm`,
   installed beside vLLM), which fetches it from the proxy by name, checks the digest and unpacks
   it locally. No replica reads the trainer's folders.
-Full weights are always read from a path the replicas see.
+How full weights reach the replicas (`trainer.weight_transfer`):
+- `disk`: as above, `reload_weights` from the exported folder, which each replica must read.
+- `ipc` / `shm`: in memory, through vLLM's weight-transfer engine (replicas started with
+  `--weight-transfer-config`): per replica `start_weight_update`, `update_weights` with what
+  `trainer/transfer.py` staged (CUDA IPC handles, or a host shared-memory segment), then
+  `finish_weight_update`, in place of `reload_weights`; no folder is written or read.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import io
 import logging
 import tarfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -63,6 +69,7 @@ class PushResult:
     drained: list[str] = field(default_factory=list)
     seconds: float = 0.0
     uploaded_bytes: int = 0  # the adapter's archive sent to the proxy (`bytes` transport)
+    staged_s: float = 0.0  # gathering full weights for an in-memory push, before the pause (in `seconds`)
 
 
 class WeightPusher:
@@ -166,7 +173,46 @@ class WeightPusher:
     # -- full weights --------------------------------------------------------------------
 
     def push_full(self, version: int, weights_dir: Path, *, served_name: str) -> PushResult:
-        """Reload full weights on every replica with admission paused; `served_name` is unchanged."""
+        """Reload full weights from `weights_dir` on every replica; `served_name` is unchanged."""
+        def reload(url: str) -> None:
+            self._control(url, "collective_rpc", {"method": "reload_weights",
+                                                  "kwargs": {"weights_path": str(weights_dir)}})
+
+        return self._swap_full(version, served_name, str(weights_dir), reload)
+
+    def push_full_in_memory(self, version: int, *, served_name: str, stage: Callable[[], dict[str, Any]],
+                            release: Callable[[], None], path: str | None = None) -> PushResult:
+        """Full weights through vLLM's weight-transfer engine (trainer/transfer.py): `stage()` gives the
+        `update_info` every replica loads, `release()` frees it once they all have; no folder is written.
+
+        Every replica is asked to set up its engine before anything is paused, so replicas started without
+        `--weight-transfer-config` fail the push with every replica still serving the old policy."""
+        for replica in self.replicas("full"):
+            try:
+                self._control(replica["url"], "init_weight_transfer_engine", {"init_info": {}})
+            except PushError as exc:
+                raise PushError(f"replica {replica['url']} takes no in-memory weights (started without "
+                                f"--weight-transfer-config?): {exc}") from exc
+        started = time.perf_counter()
+        info = stage()  # before the pause: calls go on, on the old policy, while the weights are gathered
+        staged_s = time.perf_counter() - started
+
+        def load(url: str) -> None:
+            self._control(url, "start_weight_update", None)
+            self._control(url, "update_weights", {"update_info": info})
+            self._control(url, "finish_weight_update", None)
+
+        try:
+            result = self._swap_full(version, served_name, path, load)
+        finally:
+            release()
+        result.staged_s = staged_s
+        result.seconds = time.perf_counter() - started
+        return result
+
+    def _swap_full(self, version: int, served_name: str, path: str | None, load: Callable[[str], None]) -> PushResult:
+        """With admission paused and calls in flight ended: per replica pause, `load`, reset its prefix cache
+        (cached blocks were computed by the old weights), resume; then make the version active."""
         replicas = self.replicas("full")
         result = PushResult(version, served_name, "full")
         started = time.perf_counter()
@@ -176,8 +222,7 @@ class WeightPusher:
                 url = replica["url"]
                 try:
                     self._control(url, "pause", None, {"mode": "wait"})
-                    self._control(url, "collective_rpc", {"method": "reload_weights",
-                                                          "kwargs": {"weights_path": str(weights_dir)}})
+                    load(url)
                     self._control(url, "reset_prefix_cache", None)
                     self._control(url, "resume", None)
                 except (httpx.HTTPError, PushError) as exc:
@@ -186,9 +231,9 @@ class WeightPusher:
                     continue
                 result.pushed.append(url)
             if not result.pushed:
-                raise PushError("no replica reloaded the weights")
+                raise PushError("no replica took the new weights")
             self._admin("PUT", "/policy", json={"version": version, "served_name": served_name, "kind": "full",
-                                                "base_model": served_name, "path": str(weights_dir)})
+                                                "base_model": served_name, "path": path})
         finally:
             self._admin("POST", "/resume")
         result.seconds = time.perf_counter() - started

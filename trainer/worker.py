@@ -1,7 +1,7 @@
 """The verl worker that holds the policy: verl's `TrainingWorker` plus what rolltap adds.
 
 `PolicyWorker` is verl's `TrainingWorker` (FSDP2 engine, optimizer, `infer_batch`,
-`train_mini_batch`, sharded checkpoints) with five additions, each a registered worker
+`train_mini_batch`, sharded checkpoints) with these additions, each a registered worker
 method so it runs the same in-process and on every worker of a Ray `RayWorkerGroup`:
 
 - `init_model(seed)`: seeds torch before the engine builds the model, so the LoRA
@@ -10,7 +10,9 @@ method so it runs the same in-process and on every worker of a Ray `RayWorkerGro
   model with the adapter switched off when training LoRA, else a second, frozen copy;
 - `export_policy(out_dir, kind)`: the policy as a PEFT adapter or a full HF directory;
 - `training_state()`: full trainable parameters and optimizer state (checks and tests).
-- `node_id()`: the Ray node the worker runs on (where the workers went).
+- `node_id()`: the Ray node the worker runs on (where the workers went);
+- `stage_weights(backend)` / `release_weights()`: the full weights held in memory for vLLM's
+  weight-transfer engine (trainer/transfer.py), until every replica has loaded them.
 
 Importing this module imports verl's engines, which read the platform once: in the driver,
 call `trainer.verl_cpu.setup()` first (`trainer.update` does); Ray workers get it from
@@ -34,7 +36,7 @@ from verl.utils import tensordict_utils as tu
 from verl.workers.config import TrainingWorkerConfig
 from verl.workers.engine_workers import TrainingWorker
 
-from trainer import verl_cpu
+from trainer import transfer, verl_cpu
 
 __all__ = ["PolicyWorker"]
 
@@ -58,6 +60,7 @@ class PolicyWorker(TrainingWorker):
         verl_cpu.init_process_group(device)  # before TrainingWorker picks a backend (verl_cpu item 3)
         super().__init__(config)
         self.ref: TrainingWorker | None = None
+        self._staged: transfer.StagedWeights | None = None
         if with_ref_model:
             ref_config = deepcopy(config)
             ref_config.engine_config.forward_only = verl_cpu.engine_options(device)["ref_forward_only"]
@@ -153,6 +156,33 @@ class PolicyWorker(TrainingWorker):
         finally:
             dist.barrier()
         return str(out)
+
+    @_worker_method(_ONE_TO_ALL)
+    def stage_weights(self, backend: transfer.Backend) -> dict[str, Any] | None:
+        """The full weights as `/update_weights`'s `update_info` (rank 0; None elsewhere), kept alive until
+        `release_weights`. A collective: every rank gathers each parameter whole."""
+        from torch.distributed.tensor import DTensor
+
+        if self._is_lora:
+            raise ValueError("an in-memory weight transfer moves full weights; LoRA training pushes adapters")
+        if backend not in ("ipc", "shm"):
+            raise ValueError(f"weight transfer backend must be 'ipc' or 'shm', not {backend!r}")
+        self.release_weights()
+        engine: Any = self.engine
+        # ipc: the copy a replica reads stays on this GPU until it is loaded, so it is made in the dtype the
+        # replica serves (the checkpoint's, vLLM's `dtype auto`), half of the fp32 master weights. shm: as
+        # the disk export writes them, so both pushes give a replica the same numbers.
+        wire = getattr(self.model_config.hf_config, "torch_dtype", None) if backend == "ipc" else None
+        named = ((name, p.full_tensor() if isinstance(p, DTensor) else p)
+                 for name, p in engine.module.named_parameters())
+        self._staged = transfer.stage(named, backend, wire if isinstance(wire, torch.dtype) else None)
+        return self._staged.update_info
+
+    @_worker_method(_ONE_TO_ALL)
+    def release_weights(self) -> None:
+        if self._staged is not None:
+            self._staged.release()
+            self._staged = None
 
     def _lora_state_dict(self) -> dict[str, torch.Tensor]:
         """The LoRA tensors, whole, on rank 0's CPU (empty elsewhere); a collective over the shards."""

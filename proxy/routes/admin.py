@@ -115,9 +115,16 @@ CONTROL_PATHS = {
     "reset_prefix_cache": "/reset_prefix_cache",
     "sleep": "/sleep",
     "wake_up": "/wake_up",
+    # vLLM's weight-transfer engine (a replica started with `--weight-transfer-config`): full weights
+    # handed over in memory (CUDA IPC, host shared memory) instead of re-read from a folder.
+    "init_weight_transfer_engine": "/init_weight_transfer_engine",
+    "start_weight_update": "/start_weight_update",
+    "update_weights": "/update_weights",
+    "finish_weight_update": "/finish_weight_update",
 }
 ControlAction = Literal["load_lora_adapter", "resolve_lora_adapter", "unload_lora_adapter", "pause", "resume",
-                        "collective_rpc", "reset_prefix_cache", "sleep", "wake_up"]
+                        "collective_rpc", "reset_prefix_cache", "sleep", "wake_up", "init_weight_transfer_engine",
+                        "start_weight_update", "update_weights", "finish_weight_update"]
 
 
 class ReplicaRefused(RolltapError):

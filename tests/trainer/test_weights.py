@@ -14,10 +14,15 @@ import torch
 from tests.conftest import ProxyFactory
 from tests.support.servers import free_port
 from tools.replica import VllmReplica
+from shared.settings import TrainerSettings
+from trainer import transfer
+from trainer.update import PolicyUpdater
 from trainer.weights import PushError, WeightPusher
 
 pytestmark = [pytest.mark.vllm, pytest.mark.filterwarnings("ignore::DeprecationWarning"),
-              pytest.mark.filterwarnings("ignore::FutureWarning")]
+              pytest.mark.filterwarnings("ignore::FutureWarning"),
+              # verl's engine package warns at import that optional backends (megatron, ...) are absent.
+              pytest.mark.filterwarnings("ignore:.*engine is not available:UserWarning")]
 
 PROMPT = {"messages": [{"role": "user", "content": "Tell me about the brown fox."}], "max_tokens": 12,
           "temperature": 0}
@@ -46,7 +51,10 @@ def lora_replica_b(tiny_model_dir: Path) -> Iterator[VllmReplica]:
 
 @pytest.fixture(scope="module")
 def full_replica(tiny_model_dir: Path) -> Iterator[VllmReplica]:
-    with VllmReplica(tiny_model_dir, served_model_name="tiny", dev_mode=True) as replica:
+    # Both ways of taking full weights: reload_weights from a folder, and the weight-transfer engine with
+    # the Rolltap plugin's host shared-memory backend.
+    with VllmReplica(tiny_model_dir, served_model_name="tiny", dev_mode=True,
+                     extra_args=["--weight-transfer-config", '{"backend": "rolltap_shm"}']) as replica:
         yield replica
 
 
@@ -153,6 +161,62 @@ def test_full_push_changes_greedy_output_and_stamps_records(full_replica: VllmRe
     assert result.pushed == [full_replica.url]
     assert after != before and restored == before
     assert [c["policy_version"] for c in (call0, call1, call2)] == [0, 1, 2]
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+def test_full_push_in_memory_matches_a_reload_and_frees_its_segment(full_replica: VllmReplica, tiny_model_dir: Path,
+                                                                   proxy_for: ProxyFactory, tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    new_weights = _perturbed_model(tiny_model_dir, tmp_path / "full-v1")
+    model = AutoModelForCausalLM.from_pretrained(new_weights, torch_dtype=torch.float32)
+    staged: list[transfer.StagedWeights] = []
+
+    def stage() -> dict[str, Any]:
+        staged.append(transfer.stage(model.named_parameters(), "shm"))
+        assert staged[-1].update_info is not None
+        return staged[-1].update_info
+
+    settings = TrainerSettings(model=str(tiny_model_dir), lora_rank=0, weight_transfer="shm", mini_batch_size=4,
+                               micro_batch_size=2)
+    with proxy_for([full_replica.url], pool={"weight_mode": "full"}) as proxy, \
+            WeightPusher(proxy.url, "t") as pusher:
+        before, _ = _greedy(proxy.url, "mem-0")
+        result = pusher.push_full_in_memory(1, served_name="tiny", stage=stage, release=lambda: staged[-1].release())
+        in_memory, call1 = _greedy(proxy.url, "mem-1")
+        pusher.push_full(2, new_weights, served_name="tiny")
+        from_disk, _ = _greedy(proxy.url, "mem-2")
+        # The trainer's own weights (untrained: the base model's), staged by its worker.
+        with PolicyUpdater(tiny_model_dir, settings) as updater:
+            restored_result = pusher.push_full_in_memory(3, served_name="tiny",
+                                                         stage=lambda: updater.stage_weights("shm"),
+                                                         release=updater.release_weights)
+        restored, call3 = _greedy(proxy.url, "mem-3")
+    segment = staged[0].update_info["segment"] if staged[0].update_info else ""
+    assert result.pushed == restored_result.pushed == [full_replica.url] and not result.drained
+    assert in_memory != before and in_memory == from_disk  # the same numbers as the folder gives
+    assert restored == before
+    assert (call1["policy_version"], call3["policy_version"]) == (1, 3)
+    assert segment and not (Path("/dev/shm") / segment).exists()  # removed once the replica loaded it
+    print(f"full push in memory (shm, {staged[0].bytes} bytes): {result.seconds * 1000:.0f} ms, "
+          f"of which staging {result.staged_s * 1000:.0f} ms")
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+def test_an_in_memory_push_to_a_replica_without_the_engine_changes_nothing(
+        lora_replica: VllmReplica, proxy_for: ProxyFactory) -> None:
+    # A replica started without --weight-transfer-config (declared full-weight here) refuses the engine's
+    # first call, before anything is staged or paused: it keeps serving, the policy stays.
+    staged: list[int] = []
+    with proxy_for([lora_replica.url], pool={"weight_mode": "full"}) as proxy, \
+            WeightPusher(proxy.url, "t") as pusher:
+        with pytest.raises(PushError, match="takes no in-memory weights"):
+            pusher.push_full_in_memory(1, served_name="tiny", stage=lambda: {"never": staged.append(1)},
+                                       release=lambda: None)
+        answer, call = _greedy(proxy.url, "no-engine")
+        pool = httpx.get(f"{proxy.url}/admin/replicas", headers={"authorization": "Bearer t"}).json()["data"]
+    assert staged == [] and answer and call["policy_version"] == 0
+    assert [r["url"] for r in pool] == [lora_replica.url]
 
 
 @pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)

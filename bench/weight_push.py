@@ -1,0 +1,276 @@
+"""How long a policy takes to reach a replica, per method, through the proxy's admin API.
+
+    python -m bench.weight_push [--shape tiny|qwen2.5-1.5b|llama3-8b|smollm2-135m] [--backend ipc|shm]
+                                [--repeat 3] [--lora-ranks 16,64] [--lora-transports path,bytes] [--out JSON]
+
+Full weights, each round on freshly changed weights, both ways in turn, to one replica started
+for both (`--weight-transfer-config`, dev mode):
+- in memory: the trainer's tensors staged by `trainer.transfer` (`ipc`: CUDA IPC handles, the
+  replica on the same GPU; `shm`: a host shared-memory segment, CPU replicas), then
+  `WeightPusher.push_full_in_memory`;
+- disk: the same weights written as a Hugging Face folder (`save_pretrained`, what the trainer's
+  export does) and `WeightPusher.push_full` (`reload_weights`).
+After each push a greedy completion through the proxy is kept: the two methods must give the same
+answer each round (the same numbers arrived), and different answers from round to round.
+
+LoRA (with `--lora-ranks`): a second replica with runtime LoRA behind its own proxy; per rank and
+transport, three versions of a random adapter of that rank on every linear layer, each pushed
+(`WeightPusher.push_lora`) and then called once (the first call on a new adapter).
+
+Model shapes come from `bench.shapes` with random weights made on the spot (nothing downloaded;
+push time depends on the shape, not the weights); the replica starts with `--load-format dummy`
+for them. `tiny` is the tests' tiny model. Needs vLLM (`ROLLTAP_VLLM_PYTHON` or `.venv-vllm`)
+with the `rolltap_vllm` plugin (for `shm` and the `bytes` transport).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import torch
+
+from bench import shapes
+from bench.harness import REPO_ROOT, free_port, machine, stop_process, wait_ready
+from tools.replica import VllmReplica
+from trainer import transfer
+from trainer.weights import WeightPusher
+
+TOKEN = "bench-admin-token"
+ADAPTER_TOKEN = "bench-adapter-token"
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def _model_dir(shape: str, out: Path) -> Path:
+    if shape == "tiny":
+        from tools.tiny_model import build_tiny_model
+
+        return build_tiny_model(out)
+    return shapes.build(shape, out)
+
+
+def _random_model(model_dir: Path, device: str, dtype: torch.dtype) -> Any:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)  # type: ignore[no-untyped-call]
+    model.requires_grad_(False)
+    return model
+
+
+@contextmanager
+def _proxy(replica: str, mode: str, logs: Path, port: int | None = None) -> Iterator[str]:
+    port = port or free_port()
+    env = {**os.environ, "ROLLTAP_PROXY__ADMIN_TOKEN": TOKEN, "ROLLTAP_PROXY__ADAPTER_TOKEN": ADAPTER_TOKEN,
+           "ROLLTAP_PROXY__OPEN_ACCESS": "true", "ROLLTAP_PROXY__POOL__WEIGHT_MODE": mode,
+           "ROLLTAP_PROXY__LOG_LEVEL": "warning", "ROLLTAP_PROXY__RECORDER__SPOOL_DIR": str(logs / f"spool-{mode}")}
+    log = open(logs / f"proxy-{mode}.log", "wb")  # noqa: SIM115
+    proc = subprocess.Popen([sys.executable, "-m", "proxy.main", "--port", str(port), "--replica", replica,
+                             "--db", f"sqlite:///{logs / f'proxy-{mode}.db'}"], env=env, cwd=REPO_ROOT,
+                            stdout=log, stderr=log)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_ready(url, "/health", proc, 120.0)
+        yield url
+    finally:
+        stop_process(proc, 10.0)
+        log.close()
+
+
+def _greedy(proxy: str, rollout: str, model: str = "x") -> tuple[list[int], float]:
+    started = time.perf_counter()
+    r = httpx.post(f"{proxy}/rollout/{rollout}/attempt/0/v1/completions", timeout=600, json={
+        "model": model, "prompt": [1, 2, 3, 4, 5, 6, 7, 8], "max_tokens": 12, "temperature": 0,
+        "ignore_eos": True, "return_token_ids": True})
+    r.raise_for_status()
+    return list(r.json()["choices"][0]["token_ids"]), time.perf_counter() - started
+
+
+def _perturb(model: Any, seed: int) -> None:
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p), alpha=0.02)
+
+
+class _Staging:
+    """The trainer's side of one in-memory push: the model's tensors staged, then released."""
+
+    def __init__(self, model: Any, backend: transfer.Backend) -> None:
+        self._model, self._backend = model, backend
+        self._staged: transfer.StagedWeights | None = None
+
+    def stage(self) -> dict[str, Any]:
+        self._staged = transfer.stage(self._model.named_parameters(), self._backend)
+        assert self._staged.update_info is not None
+        return self._staged.update_info
+
+    def release(self) -> None:
+        if self._staged is not None:
+            self._staged.release()
+
+
+def _replica_args(args: argparse.Namespace, device: str) -> list[str]:
+    extra = [] if args.shape == "tiny" else ["--load-format", "dummy"]
+    if device == "cuda":
+        extra += ["--enforce-eager", "--gpu-memory-utilization", "0.08", "--kv-cache-memory", str(args.kv_bytes)]
+    return extra + list(args.replica_arg)
+
+
+def _full_rounds(args: argparse.Namespace, model_dir: Path, work: Path, device: str, dtype: str) -> dict[str, Any]:
+    backend = "ipc" if args.backend == "ipc" else "rolltap_shm"
+    env = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"} if args.backend == "ipc" else {}
+    replica = VllmReplica(model_dir, served_model_name="x", dev_mode=True, dtype=dtype, max_model_len=256,
+                          extra_env=env, log_path=work / "replica-full.log",
+                          extra_args=["--weight-transfer-config", json.dumps({"backend": backend}),
+                                      *_replica_args(args, device)])
+    rounds: list[dict[str, Any]] = []
+    with replica, _proxy(replica.url, "full", work) as proxy, WeightPusher(proxy, TOKEN, timeout_s=900) as pusher:
+        model = _random_model(model_dir, device, getattr(torch, dtype))
+        size = sum(p.numel() * p.element_size() for p in model.parameters())
+        print(f"full weights: {size / 2**30:.2f} GiB in {dtype} on {device}", flush=True)
+        version = 0
+        for r in range(args.repeat):
+            _perturb(model, r)
+            staging = _Staging(model, args.backend)
+            version += 1
+            mem = pusher.push_full_in_memory(version, served_name="x", stage=staging.stage, release=staging.release)
+            mem_answer, _ = _greedy(proxy, f"mem-{r}")
+            folder = work / "weights"
+            t = time.perf_counter()
+            model.save_pretrained(folder, safe_serialization=True)
+            export_s = time.perf_counter() - t
+            version += 1
+            disk = pusher.push_full(version, folder, served_name="x")
+            disk_answer, _ = _greedy(proxy, f"disk-{r}")
+            row = {"round": r, "in_memory_s": round(mem.seconds, 3), "staged_s": round(mem.staged_s, 3),
+                   "disk_export_s": round(export_s, 3), "disk_reload_s": round(disk.seconds, 3),
+                   "disk_total_s": round(export_s + disk.seconds, 3), "same_answer": mem_answer == disk_answer,
+                   "answer": mem_answer}
+            rounds.append(row)
+            print(f"round {r}: in memory ({args.backend}) {mem.seconds:.2f}s (staging {mem.staged_s:.2f}s); disk "
+                  f"{export_s + disk.seconds:.2f}s (export {export_s:.2f}s, reload {disk.seconds:.2f}s); "
+                  f"same answer: {row['same_answer']}", flush=True)
+    return {"bytes": size, "rounds": rounds}
+
+
+def _adapter(model_dir: Path, rank: int, out: Path, seed: int) -> Path:
+    """A PEFT adapter of `rank` on every linear layer of the shape, random A and B (what vLLM loads)."""
+    from safetensors.torch import save_file
+
+    config = json.loads((model_dir / "config.json").read_text())
+    hidden, inter = int(config["hidden_size"]), int(config["intermediate_size"])
+    kv = int(config.get("num_key_value_heads", config["num_attention_heads"])) * (
+        int(config.get("head_dim") or hidden // int(config["num_attention_heads"])))
+    dims = {"q_proj": (hidden, hidden), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (hidden, hidden),
+            "gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden)}
+    gen = torch.Generator().manual_seed(seed)
+    tensors: dict[str, torch.Tensor] = {}
+    for layer in range(int(config["num_hidden_layers"])):
+        for module, (fan_in, fan_out) in dims.items():
+            part = "mlp" if module.endswith(("gate_proj", "up_proj", "down_proj")) else "self_attn"
+            key = f"base_model.model.model.layers.{layer}.{part}.{module}"
+            tensors[f"{key}.lora_A.weight"] = (torch.randn(rank, fan_in, generator=gen) * 0.01).to(torch.bfloat16)
+            tensors[f"{key}.lora_B.weight"] = (torch.randn(fan_out, rank, generator=gen) * 0.01).to(torch.bfloat16)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    (out / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank, "lora_dropout": 0.0,
+        "target_modules": LORA_TARGETS, "bias": "none", "fan_in_fan_out": False, "modules_to_save": None,
+        "base_model_name_or_path": str(model_dir), "inference_mode": True}))
+    return out
+
+
+def _lora_rounds(args: argparse.Namespace, model_dir: Path, work: Path, device: str, dtype: str) -> list[dict[str, Any]]:
+    ranks = [int(r) for r in args.lora_ranks.split(",") if r]
+    port = free_port()
+    env = {"ROLLTAP_LORA_SOURCE": f"http://127.0.0.1:{port}", "ROLLTAP_LORA_TOKEN": ADAPTER_TOKEN,
+           "ROLLTAP_LORA_CACHE_DIR": str(work / "replica-adapters")}
+    replica = VllmReplica(model_dir, served_model_name="x", enable_lora=True, dtype=dtype, max_model_len=256,
+                          extra_env=env, log_path=work / "replica-lora.log",
+                          extra_args=[*_replica_args(args, device), "--max-lora-rank", str(max(ranks))])
+    rows: list[dict[str, Any]] = []
+    # The replica's plugin fetches adapters from the proxy on the port it was told at its start.
+    with replica, _proxy(replica.url, "lora", work, port) as proxy:
+        version = 0
+        for transport in args.lora_transports.split(","):
+            with WeightPusher(proxy, TOKEN, timeout_s=900, lora_transport=transport) as pusher:
+                for rank in ranks:
+                    for _ in range(3):
+                        version += 1
+                        adapter = _adapter(model_dir, rank, work / f"adapter-v{version}", seed=version)
+                        result = pusher.push_lora(version, adapter, base_model="x")
+                        _, first_call_s = _greedy(proxy, f"lora-{version}")
+                        row = {"transport": transport, "rank": rank, "version": version,
+                               "bytes": (adapter / "adapter_model.safetensors").stat().st_size,
+                               "push_s": round(result.seconds, 3), "first_call_s": round(first_call_s, 3)}
+                        rows.append(row)
+                        print(f"LoRA r{rank} {transport} v{version}: push {result.seconds * 1000:.0f} ms, "
+                              f"first call {first_call_s:.2f}s", flush=True)
+    return rows
+
+
+def _summary(values: list[float]) -> dict[str, float]:
+    return {"median": round(statistics.median(values), 3), "min": round(min(values), 3), "max": round(max(values), 3)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shape", default="tiny", choices=["tiny", *sorted(shapes.SHAPES)])
+    parser.add_argument("--backend", choices=["ipc", "shm"], default=None,
+                        help="in-memory transfer: ipc (CUDA; default with a GPU) or shm (host shared memory)")
+    parser.add_argument("--repeat", type=int, default=3, help="full-weight rounds (each pushes both ways)")
+    parser.add_argument("--lora-ranks", default="", help="LoRA ranks to push, e.g. 16,64 (empty: no LoRA replica)")
+    parser.add_argument("--lora-transports", default="path,bytes")
+    parser.add_argument("--kv-bytes", type=int, default=4_000_000_000, help="each GPU replica's KV cache")
+    parser.add_argument("--replica-arg", action="append", default=[], metavar="ARG", help="extra vLLM argument")
+    parser.add_argument("--work", type=Path, default=None, help="folder for models, logs, adapters (default: temp)")
+    parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    args = parser.parse_args(argv)
+    if set(args.lora_transports.split(",")) - {"path", "bytes"}:
+        parser.error("--lora-transports: path, bytes or both")
+    cuda = torch.cuda.is_available()
+    args.backend = args.backend or ("ipc" if cuda else "shm")
+    device = "cuda" if args.backend == "ipc" else "cpu"
+    dtype = "bfloat16" if device == "cuda" else "float32"
+    work = args.work or Path(tempfile.mkdtemp(prefix="rolltap-weight-push-"))
+    work.mkdir(parents=True, exist_ok=True)
+    model_dir = _model_dir(args.shape, work / args.shape)
+    results: dict[str, Any] = {"shape": args.shape, "backend": args.backend, "device": device, "dtype": dtype,
+                               "machine": machine()}
+    if cuda:
+        results["gpu"] = torch.cuda.get_device_name(0)
+    full = _full_rounds(args, model_dir, work, device, dtype)
+    results["full"] = full
+    answers = [tuple(r["answer"]) for r in full["rounds"]]
+    results["full_summary"] = {
+        "in_memory_s": _summary([r["in_memory_s"] for r in full["rounds"]]),
+        "disk_total_s": _summary([r["disk_total_s"] for r in full["rounds"]]),
+        "disk_reload_s": _summary([r["disk_reload_s"] for r in full["rounds"]]),
+        "same_answer_every_round": all(r["same_answer"] for r in full["rounds"]),
+        "answers_change_between_rounds": len(set(answers)) == len(answers)}
+    if args.lora_ranks:
+        results["lora"] = _lora_rounds(args, model_dir, work, device, dtype)
+    text = json.dumps(results, indent=2)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text + "\n")
+    print(json.dumps(results["full_summary"]), flush=True)
+    ok = results["full_summary"]["same_answer_every_round"] and results["full_summary"]["answers_change_between_rounds"]
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
