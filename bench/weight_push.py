@@ -82,7 +82,7 @@ def _proxy(replica: str, mode: str, logs: Path, port: int | None = None) -> Iter
                             stdout=log, stderr=log)
     try:
         url = f"http://127.0.0.1:{port}"
-        wait_ready(url, "/health", proc, 120.0)
+        wait_ready(url, "/readyz", proc, 120.0, log_path=logs / f"proxy-{mode}.log")
         yield url
     finally:
         stop_process(proc, 10.0)

