@@ -18,8 +18,9 @@ transport, three versions of a random adapter of that rank on every linear layer
 (`WeightPusher.push_lora`) and then called once (the first call on a new adapter).
 
 Model shapes come from `bench.shapes` with random weights made on the spot (nothing downloaded;
-push time depends on the shape, not the weights); the replica starts with `--load-format dummy`
-for them. `tiny` is the tests' tiny model. Needs vLLM (`ROLLTAP_VLLM_PYTHON` or `.venv-vllm`)
+push time depends on the shape, not the weights); the full-weight replica reads them from disk at
+start (one started from dummy weights refuses a reload), the LoRA replica starts with
+`--load-format dummy`. `tiny` is the tests' tiny model. Needs vLLM (`ROLLTAP_VLLM_PYTHON` or `.venv-vllm`)
 with the `rolltap_vllm` plugin (for `shm` and the `bytes` transport).
 """
 
@@ -122,8 +123,8 @@ class _Staging:
             self._staged.release()
 
 
-def _replica_args(args: argparse.Namespace, device: str) -> list[str]:
-    extra = [] if args.shape == "tiny" else ["--load-format", "dummy"]
+def _replica_args(args: argparse.Namespace, device: str, dummy: bool) -> list[str]:
+    extra = ["--load-format", "dummy"] if dummy else []
     if device == "cuda":
         extra += ["--enforce-eager", "--gpu-memory-utilization", "0.08", "--kv-cache-memory", str(args.kv_bytes)]
     return extra + list(args.replica_arg)
@@ -132,13 +133,17 @@ def _replica_args(args: argparse.Namespace, device: str) -> list[str]:
 def _full_rounds(args: argparse.Namespace, model_dir: Path, work: Path, device: str, dtype: str) -> dict[str, Any]:
     backend = "ipc" if args.backend == "ipc" else "rolltap_shm"
     env = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"} if args.backend == "ipc" else {}
+    # A replica that started from dummy weights cannot reload from disk (vLLM refuses): the shape's random
+    # weights are written first and the replica reads them at start.
+    model = _random_model(model_dir, device, getattr(torch, dtype))
+    if args.shape != "tiny":
+        model.save_pretrained(model_dir, safe_serialization=True)
     replica = VllmReplica(model_dir, served_model_name="x", dev_mode=True, dtype=dtype, max_model_len=256,
                           extra_env=env, log_path=work / "replica-full.log",
                           extra_args=["--weight-transfer-config", json.dumps({"backend": backend}),
-                                      *_replica_args(args, device)])
+                                      *_replica_args(args, device, dummy=False)])
     rounds: list[dict[str, Any]] = []
     with replica, _proxy(replica.url, "full", work) as proxy, WeightPusher(proxy, TOKEN, timeout_s=900) as pusher:
-        model = _random_model(model_dir, device, getattr(torch, dtype))
         size = sum(p.numel() * p.element_size() for p in model.parameters())
         print(f"full weights: {size / 2**30:.2f} GiB in {dtype} on {device}", flush=True)
         version = 0
@@ -200,7 +205,8 @@ def _lora_rounds(args: argparse.Namespace, model_dir: Path, work: Path, device: 
            "ROLLTAP_LORA_CACHE_DIR": str(work / "replica-adapters")}
     replica = VllmReplica(model_dir, served_model_name="x", enable_lora=True, dtype=dtype, max_model_len=256,
                           extra_env=env, log_path=work / "replica-lora.log",
-                          extra_args=[*_replica_args(args, device), "--max-lora-rank", str(max(ranks))])
+                          extra_args=[*_replica_args(args, device, dummy=args.shape != "tiny"),
+                                      "--max-lora-rank", str(max(ranks))])
     rows: list[dict[str, Any]] = []
     # The replica's plugin fetches adapters from the proxy on the port it was told at its start.
     with replica, _proxy(replica.url, "lora", work, port) as proxy:

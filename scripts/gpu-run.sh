@@ -104,7 +104,7 @@ runuser -u rolltap-pg -- "$PG/createdb" -h 127.0.0.1 -U postgres rolltap
 MODEL=$STASH/models/$NAME
 if [ -n "${SHAPE:-}" ]; then
   "$VPY" -m bench.shapes "$SHAPE" "$MODEL" >/dev/null
-  set -- --replica-arg=--load-format=dummy "$@"
+  [ "$MODE" = throughput ] && set -- --replica-arg=--load-format=dummy "$@"
 else
   "$VPY" -m tools.gguf_model "$GGUF" "$MODEL" >/dev/null
 fi
