@@ -232,6 +232,12 @@ def _summary(values: list[float]) -> dict[str, float]:
     return {"median": round(statistics.median(values), 3), "min": round(min(values), 3), "max": round(max(values), 3)}
 
 
+def _write(results: dict[str, Any], out: Path | None) -> None:
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(results, indent=2) + "\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shape", default="tiny", choices=["tiny", *sorted(shapes.SHAPES)])
@@ -267,12 +273,10 @@ def main(argv: list[str] | None = None) -> int:
         "disk_reload_s": _summary([r["disk_reload_s"] for r in full["rounds"]]),
         "same_answer_every_round": all(r["same_answer"] for r in full["rounds"]),
         "answers_change_between_rounds": len(set(answers)) == len(answers)}
+    _write(results, args.out)  # kept should the LoRA part not finish
     if args.lora_ranks:
         results["lora"] = _lora_rounds(args, model_dir, work, device, dtype)
-    text = json.dumps(results, indent=2)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
+        _write(results, args.out)
     print(json.dumps(results["full_summary"]), flush=True)
     ok = results["full_summary"]["same_answer_every_round"] and results["full_summary"]["answers_change_between_rounds"]
     return 0 if ok else 1

@@ -162,12 +162,19 @@ class Recorder:
     # -- lifecycle writes and barriers ----------------------------------------------------
 
     async def run(self, op: Op, timeout_s: float) -> Any:
-        """Run `op(conn)` in the writer's next transaction and return its result."""
+        """Run `op(conn)` in the writer's next transaction and return its result, within `timeout_s`
+        in all (a full queue counts against it too: an outage must be answered, not waited out)."""
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        await self._queue.put(_OpItem(op, future))
+        item = _OpItem(op, future)
+
+        async def queued_and_done() -> Any:
+            await self._queue.put(item)
+            return await asyncio.shield(future)
+
         try:
-            return await asyncio.wait_for(asyncio.shield(future), timeout_s)
+            return await asyncio.wait_for(queued_and_done(), timeout_s)
         except TimeoutError as exc:
+            future.cancel()  # the writer skips an op whose caller gave up
             raise DatabaseUnavailable("database write did not complete in time", retry_after_s=1.0) from exc
 
     async def wait_durable(self, key: Key, timeout_s: float) -> bool:

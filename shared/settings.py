@@ -315,7 +315,11 @@ class ProxySettings(BaseModel):
     max_connections: int = Field(default=1024, ge=1, description="Upstream connections kept per proxy.")
     health_interval_s: float = Field(default=2.0, gt=0, description="Pause between active replica probes.")
     finish_timeout_s: float = Field(
-        default=60.0, gt=0, description="How long `finish` waits for the attempt's calls still in flight."
+        default=60.0,
+        gt=0,
+        description="How long `finish` and `reward` may take in all (waiting for the attempt's calls still in "
+        "flight, then writing); past it they answer 503 with Retry-After. Reading an attempt waits as long for "
+        "its calls.",
     )
     shutdown_timeout_s: float = Field(
         default=30.0,

@@ -110,10 +110,17 @@ def _collaborators(request: Request) -> tuple[Recorder, ProxySettings]:
     return request.app.state.recorder, request.app.state.settings.proxy
 
 
-async def _barrier(request: Request, key: tuple[str, str], timeout_s: float) -> None:
+def _left(deadline: float) -> float:
+    """What is left of a lifecycle call's one budget (`proxy.finish_timeout_s` for the barrier and the
+    write together, so that an outage is answered within it). A floor keeps a write that comes
+    right at the end from failing before it is tried."""
+    return max(deadline - time.monotonic(), 0.05)
+
+
+async def _barrier(request: Request, key: tuple[str, str], deadline: float) -> None:
     """This proxy's calls of the attempt committed, then (`proxy.cluster`) every other proxy's."""
     state = request.app.state
-    deadline = time.monotonic() + timeout_s
+    timeout_s = _left(deadline)
     is_durable = await state.recorder.wait_durable(key, timeout_s)
     if is_durable and state.cluster is not None:
         is_durable = await state.cluster.wait_released(key, max(0.0, deadline - time.monotonic()))
@@ -127,7 +134,7 @@ async def _barrier(request: Request, key: tuple[str, str], timeout_s: float) -> 
                     retry_after_s=1.0)
     if not is_durable:
         raise DatabaseUnavailable(
-            f"calls of attempt {key[0]}/{key[1]} are not yet durable after {timeout_s:g} s "
+            f"calls of attempt {key[0]}/{key[1]} are not yet durable after {timeout_s:.3g} s "
             "(still in flight, or the database is unreachable); retry",
             code="not_durable", retry_after_s=1.0,
         )
@@ -158,13 +165,14 @@ async def post_reward(key: AttemptKey, body: RewardIn, request: Request) -> dict
     """Post a reward for an attempt: `{"value", "name"?, "call_id"?}`; several per attempt allowed."""
     recorder, settings = _collaborators(request)
     _check_reward(body.value, "value", settings)
+    deadline = time.monotonic() + settings.finish_timeout_s
     if body.call_id is not None:
-        await _barrier(request, key, settings.finish_timeout_s)  # the call must be readable to be named
+        await _barrier(request, key, deadline)  # the call must be readable to be named
 
     async def op(conn: AsyncConnection) -> int:
         return await store.add_reward(conn, *key, body.value, body.name, body.call_id)
 
-    reward_id = await recorder.run(op, settings.finish_timeout_s)
+    reward_id = await recorder.run(op, _left(deadline))
     return {"object": "rolltap.reward", "id": reward_id, "rollout_id": key[0], "attempt_id": key[1],
             "value": body.value, "name": body.name, "call_id": body.call_id}
 
@@ -177,13 +185,14 @@ async def finish(key: AttemptKey, body: FinishIn, request: Request) -> dict[str,
     proxy) is committed."""
     recorder, settings = _collaborators(request)
     _check_reward(body.reward, "reward", settings)
-    await _barrier(request, key, settings.finish_timeout_s)
+    deadline = time.monotonic() + settings.finish_timeout_s
+    await _barrier(request, key, deadline)
 
     async def op(conn: AsyncConnection) -> tuple[list[dict[str, Any]], int]:
         await store.finish_attempt(conn, *key, body.status, body.reward)
         return await store.undurable_calls(conn, *key), await store.interrupted_calls(conn, *key)
 
-    undurable, interrupted = await recorder.run(op, settings.finish_timeout_s)
+    undurable, interrupted = await recorder.run(op, _left(deadline))
     request.app.state.balancer.attempt_finished(*key)  # its replica binding may go
     if undurable:
         # The status is recorded; the attempt is not complete until `rolltap-proxy spool replay`.
@@ -202,7 +211,7 @@ async def get_attempt(key: AttemptKey, request: Request) -> Response:
     """The attempt: its calls in order, rewards and status."""
     recorder, settings = _collaborators(request)
     # Calls that already answered should be visible even before `finish`.
-    await _barrier(request, key, settings.finish_timeout_s)
+    await _barrier(request, key, time.monotonic() + settings.finish_timeout_s)
     try:
         async with request.app.state.reader.connect() as conn:
             attempt = await store.read_attempt(conn, *key)

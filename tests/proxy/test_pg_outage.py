@@ -23,13 +23,13 @@ import pytest
 from sqlalchemy import create_engine, text
 
 from shared.db.engine import sync_url
-from tests.conftest import make_settings
 from tests.support.fault_replica import FaultReplica
 from tests.support.pg_cluster import private_postgres
-from tests.support.servers import run_proxy, serve_in_thread
+from tests.support.proxy_process import ProxyProcess
+from tests.support.servers import free_port, serve_in_thread
 
 AGENTS, TURNS = 64, 3
-DOWN_S = 3.0
+DOWN_S = 6.0  # long beside finish_timeout_s (1 s): a finish held until the database returns shows
 
 
 @dataclass
@@ -75,29 +75,36 @@ def test_postgres_shutdown_under_64_streaming_agents(mode: str, tmp_path: Path) 
         with psycopg.connect(cluster.url, autocommit=True) as conn:
             conn.execute("CREATE DATABASE rolltap")
         db_url = cluster.url.rsplit("/", 1)[0] + "/rolltap"
-        settings = make_settings(db_url, [], tmp_path, finish_timeout_s=1.0,
-                                 recorder={"retry_interval_s": 0.2})
         out = Outcomes()
         with serve_in_thread(FaultReplica()) as (replica, _):
-            settings.proxy.replicas = [replica]
-            with run_proxy(settings) as proxy, httpx.Client(timeout=30) as http:
-                spooled_before = _spooled_total(http.get(f"{proxy.url}/metrics").text)
+            # Its own process, as deployed: a proxy in a thread here shares one GIL with 64 agents and the
+            # replica, and its answers would carry their scheduling delays (seen as 2-3 s on 2 cores).
+            proxy = ProxyProcess(tmp_path, db_url, [replica], free_port(), ROLLTAP_PROXY__FINISH_TIMEOUT_S="1.0",
+                                 ROLLTAP_PROXY__RECORDER__RETRY_INTERVAL_S="0.2")
+            proxy.start()
+            try:
+                with httpx.Client(timeout=30) as http:
+                    spooled_before = _spooled_total(http.get(f"{proxy.url}/metrics").text)
 
-                async def main() -> None:
-                    async def outage() -> None:
-                        await asyncio.sleep(0.8)  # streams are in flight
-                        await asyncio.to_thread(cluster.stop, mode)
-                        await asyncio.sleep(DOWN_S)
-                        await asyncio.to_thread(cluster.start)
+                    async def main() -> None:
+                        async def outage() -> None:
+                            await asyncio.sleep(0.8)  # streams are in flight
+                            await asyncio.to_thread(cluster.stop, mode)
+                            await asyncio.sleep(DOWN_S)
+                            await asyncio.to_thread(cluster.start)
 
-                    limits = httpx.Limits(max_connections=2 * AGENTS)
-                    async with httpx.AsyncClient(limits=limits, timeout=120) as client:
-                        await asyncio.gather(outage(), *(_agent(proxy.url, f"o{i}", client, out)
-                                                         for i in range(AGENTS)))
+                        limits = httpx.Limits(max_connections=2 * AGENTS)
+                        async with httpx.AsyncClient(limits=limits, timeout=120) as client:
+                            await asyncio.gather(outage(), *(_agent(proxy.url, f"o{i}", client, out)
+                                                             for i in range(AGENTS)))
 
-                asyncio.run(main())
-                spooled = _spooled_total(http.get(f"{proxy.url}/metrics").text) - spooled_before
-                ready = http.get(f"{proxy.url}/readyz").json()
+                    asyncio.run(main())
+                    spooled = _spooled_total(http.get(f"{proxy.url}/metrics").text) - spooled_before
+                    ready = http.get(f"{proxy.url}/readyz").json()
+                proxy.sigterm()  # a graceful stop: its spool and journal are settled
+                assert proxy.wait(30) == 0
+            finally:
+                proxy.stop()
 
         engine = create_engine(sync_url(db_url))
         with engine.connect() as conn:
@@ -106,15 +113,15 @@ def test_postgres_shutdown_under_64_streaming_agents(mode: str, tmp_path: Path) 
         engine.dispose()
 
     print(f"\npg outage: {len(out.call_ids)} calls answered 200, {len(recorded)} recorded, {spooled:.0f} spooled "
-          f"during the outage, finish answers {dict(out.finish_statuses)}")
+          f"during the outage, finish answers {dict(out.finish_statuses)}, the slowest 503 in {out.slowest_503_s:.2f} s")
     assert len(out.call_ids) == AGENTS * TURNS
     assert sorted(recorded) == sorted(out.call_ids)  # every 200 recorded, exactly once
     assert not list((tmp_path / "spool" / "dead").glob("*"))
     assert not list((tmp_path / "spool").glob("*.jsonl"))  # the outage spool is written back
     assert 500 not in out.finish_statuses and out.finish_statuses[200] == AGENTS
-    # An outage is answered (503 + Retry-After), within `finish_timeout_s` and a scheduling margin:
-    # never held until the database returns.
-    assert out.slowest_503_s < 1.0 + 2.0, out.slowest_503_s
+    # An outage is answered (503 + Retry-After) within `finish_timeout_s` (barrier and write share it)
+    # and a margin for a 2-core machine replaying PostgreSQL's WAL: never held until the database returns.
+    assert out.slowest_503_s < 1.0 + 3.0 < DOWN_S, out.slowest_503_s
     assert statuses == {"succeeded": AGENTS}
     assert spooled > 0  # the outage was really hit by records, not dodged
     assert ready["checks"]["dead_letter_records"] == 0
