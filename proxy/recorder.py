@@ -177,6 +177,22 @@ class Recorder:
             future.cancel()  # the writer skips an op whose caller gave up
             raise DatabaseUnavailable("database write did not complete in time", retry_after_s=1.0) from exc
 
+    async def run_beside(self, op: Op, timeout_s: float) -> Any:
+        """`run` for a long write that calls' records must not queue behind (a LoRA adapter of
+        hundreds of MB: 4-10 s on PostgreSQL). Where the database takes concurrent writers
+        (PostgreSQL) it runs at once on a connection of its own; on SQLite, one writer, it goes
+        through the queue like `run`."""
+        if self._sync_engine is not None:
+            return await self.run(op, timeout_s)
+        try:
+            async with asyncio.timeout(timeout_s):
+                async with self._engine.begin() as conn:
+                    return await op(conn)
+        except TimeoutError as exc:
+            raise DatabaseUnavailable("database write did not complete in time", retry_after_s=1.0) from exc
+        except Exception as exc:  # noqa: BLE001 - mapped as a queued op's error would be
+            raise self._op_error(exc) from None
+
     async def wait_durable(self, key: Key, timeout_s: float) -> bool:
         """Wait until every call of `key` that started so far is committed. False on timeout, and at
         once while the database is unreachable (or an outage begins meanwhile): nothing would commit

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import pytest
-from sqlalchemy import update
+from sqlalchemy import text, update
 
 from rolltap_vllm import AdapterFetchError, AdapterSource, register
 from shared.db.engine import create_sync_db
@@ -125,6 +127,35 @@ def test_damaged_bytes_are_refused_on_the_way_up_and_on_the_way_down(
     assert mismatch.status_code == 400 and mismatch.json()["error"]["code"] == "adapter_digest_mismatch"
     assert missing.status_code == 400 and missing.json()["error"]["param"] == "header.x-rolltap-sha256"
     assert not cache.exists()  # checked before anything is written
+
+
+@pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)  # SQLite has one writer: there they queue
+def test_calls_are_recorded_while_an_adapter_write_waits(proxy_for: ProxyFactory, db_url: str,
+                                                         tmp_path: Path) -> None:
+    # An adapter of hundreds of MB takes seconds to store; here a lock holds its write as long as
+    # the test likes. Queued with the records it would hold every call's record, and so `finish`.
+    archive = adapter_archive(_adapter(tmp_path / "a", seed=1))
+    engine = create_sync_db(DbSettings(url=db_url))
+    with serve_in_thread(FaultReplica()) as (replica, _), \
+            proxy_for([replica], adapter_token=ADAPTER_TOKEN, finish_timeout_s=5.0) as proxy, \
+            ThreadPoolExecutor(1) as pool, engine.connect() as blocker, engine.connect() as watcher:
+        blocker.execute(text("LOCK TABLE lora_adapters IN ACCESS EXCLUSIVE MODE"))
+        upload = pool.submit(_put, proxy.url, "policy-v1", 1, archive)
+        deadline = time.monotonic() + 30
+        while not watcher.execute(text("SELECT count(*) FROM pg_locks WHERE NOT granted")).scalar():
+            assert time.monotonic() < deadline and not upload.done(), "the adapter write never reached the lock"
+            time.sleep(0.05)
+        call = httpx.post(f"{proxy.base_url('w1', 'a1')}/chat/completions", timeout=30,
+                          json={"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
+        finish = httpx.post(f"{proxy.url}/rollout/w1/attempt/a1/finish", json={"status": "succeeded"}, timeout=30)
+        attempt = httpx.get(f"{proxy.url}/rollout/w1/attempt/a1", timeout=30).json()
+        still_waiting = not upload.done()
+        blocker.rollback()  # the lock goes: the adapter is stored
+        stored = upload.result(timeout=60)
+    engine.dispose()
+    assert call.status_code == 200 and finish.status_code == 200, finish.text
+    assert len(attempt["calls"]) == 1 and still_waiting
+    assert stored.status_code == 201 and stored.json()["size_bytes"] == len(archive)
 
 
 @pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
