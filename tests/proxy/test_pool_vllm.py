@@ -20,6 +20,12 @@ from tools.replica import VllmReplica
 
 pytestmark = pytest.mark.vllm
 AUTH = {"authorization": "Bearer t"}
+# The kill test needs a stream still being generated on the victim when the kill lands, some time
+# after the agent saw it start (12 agent threads and the proxy share this process's GIL). 400
+# tokens took the tiny model 0.9 s, and once (in CI) every victim stream had ended 0.8 s before
+# the kill: as long as the tiny model's context allows instead.
+STREAM_CONTEXT = 1024
+STREAM_TOKENS = 960
 
 
 def warm_up(url: str) -> None:
@@ -37,7 +43,7 @@ def warm_up(url: str) -> None:
 def second_replica(tiny_model_dir: Path, vllm_replica: Any) -> Iterator[VllmReplica]:
     # vLLM's CPU build binds its OpenMP threads to core 0 by default; two engines spinning on
     # one core starve each other unevenly (one replica served 2-20x the other). Core 1 here.
-    with VllmReplica(tiny_model_dir, served_model_name="tiny",
+    with VllmReplica(tiny_model_dir, served_model_name="tiny", max_model_len=STREAM_CONTEXT,
                      extra_env={"VLLM_CPU_OMP_THREADS_BIND": "1"}) as replica:
         warm_up(replica.url)
         warm_up(vllm_replica.url)
@@ -120,7 +126,7 @@ def test_replica_killed_under_load(vllm_replica: Any, second_replica: VllmReplic
                     placed = http.get(f"{proxy.url}/rollout/{rollout}/attempt/0").json()["calls"][0]["replica"]
                     started = time.monotonic()
                     body = {"model": "m", "messages": [{"role": "user", "content": "tell a long story"}],
-                            "max_tokens": 400, "ignore_eos": True, "stream": True}
+                            "max_tokens": STREAM_TOKENS, "ignore_eos": True, "stream": True}
                     with http.stream("POST", f"{base}/chat/completions", json=body) as r:
                         chunks: list[bytes] = []
                         if r.status_code == 200:
@@ -188,7 +194,7 @@ def test_replica_killed_under_load(vllm_replica: Any, second_replica: VllmReplic
 
             # Bring it back on the same port: the probes re-admit it, and it takes new rollouts again.
             revived = VllmReplica(tiny_model_dir, served_model_name="tiny", port=victim.port,
-                                  extra_env={"VLLM_CPU_OMP_THREADS_BIND": "1"})
+                                  max_model_len=STREAM_CONTEXT, extra_env={"VLLM_CPU_OMP_THREADS_BIND": "1"})
             revived.start()
             second_replica.proc = revived.proc  # the module fixture stops it at the end
             revived.wait_healthy(600)
