@@ -68,6 +68,10 @@ class _Stop:
 Item = CallRecord | _OpItem | _Stop
 
 
+def _write_timed_out() -> DatabaseUnavailable:
+    return DatabaseUnavailable("database write did not complete in time", retry_after_s=1.0)
+
+
 class Spool:
     """Batches waiting on local disk, one fsynced JSON-lines file per batch, replayed in name order."""
 
@@ -175,7 +179,7 @@ class Recorder:
             return await asyncio.wait_for(queued_and_done(), timeout_s)
         except TimeoutError as exc:
             future.cancel()  # the writer skips an op whose caller gave up
-            raise DatabaseUnavailable("database write did not complete in time", retry_after_s=1.0) from exc
+            raise _write_timed_out() from exc
 
     async def run_beside(self, op: Op, timeout_s: float) -> Any:
         """`run` for a long write that calls' records must not queue behind (a LoRA adapter of
@@ -186,12 +190,9 @@ class Recorder:
             return await self.run(op, timeout_s)
         try:
             async with asyncio.timeout(timeout_s):
-                async with self._engine.begin() as conn:
-                    return await op(conn)
+                return await self._in_transaction(op)
         except TimeoutError as exc:
-            raise DatabaseUnavailable("database write did not complete in time", retry_after_s=1.0) from exc
-        except Exception as exc:  # noqa: BLE001 - mapped as a queued op's error would be
-            raise self._op_error(exc) from None
+            raise _write_timed_out() from exc
 
     async def wait_durable(self, key: Key, timeout_s: float) -> bool:
         """Wait until every call of `key` that started so far is committed. False on timeout, and at
@@ -563,14 +564,20 @@ class Recorder:
         logger.error("recorder: lifecycle write failed: %s", exc)
         return RolltapError(f"database write failed: {exc.__class__.__name__}", code="database_error")
 
+    async def _in_transaction(self, op: Op) -> Any:
+        """`op` in a transaction of its own; a failure raised as the lifecycle call answers it (`_op_error`)."""
+        try:
+            async with self._engine.begin() as conn:
+                return await op(conn)
+        except Exception as exc:  # noqa: BLE001 - mapped, never swallowed
+            raise self._op_error(exc) from None
+
     async def _run_op(self, item: _OpItem) -> None:
         if item.future.done():
             return  # its caller gave up waiting
         try:
-            async with self._engine.begin() as conn:
-                result = await item.op(conn)
+            result = await self._in_transaction(item.op)
         except Exception as exc:  # noqa: BLE001 - handed to the waiting caller
-            exc = self._op_error(exc)
             if not item.future.done():
                 item.future.set_exception(exc)
             return

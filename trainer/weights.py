@@ -248,7 +248,8 @@ class WeightPusher:
 
 # httpx (httpcore 1.0) sends a body given as bytes by slicing off what each socket send took,
 # copying the rest every time: quadratic in the size. A 335 MB adapter took 11-13 s to reach a
-# proxy on the same host that way; given in pieces (with the length, so not chunked), 1-2 s.
+# proxy on the same host that way; given in pieces (with the length, so not chunked), the body
+# arrives in 0.6-0.9 s.
 _PIECE_BYTES = 1 << 20
 
 
