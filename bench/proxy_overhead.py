@@ -159,12 +159,14 @@ def _base_env() -> dict[str, str]:
     return env
 
 
-def start_rolltap(kind: str, replica: str, db_url: str, work: Path, cpu: int | None) -> Server:
+def start_rolltap(kind: str, replica: str, db_url: str, work: Path, cpu: int | None,
+                  settings: dict[str, str] | None = None) -> Server:
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     spool = work / f"spool-{kind}"
     log_path = work / f"rolltap-{kind}.log"
-    env = _base_env() | {"ROLLTAP_PROXY__RECORDER__SPOOL_DIR": str(spool), "ROLLTAP_PROXY__AGENT_KEY": AGENT_KEY}
+    env = _base_env() | {"ROLLTAP_PROXY__RECORDER__SPOOL_DIR": str(spool), "ROLLTAP_PROXY__AGENT_KEY": AGENT_KEY,
+                         **(settings or {})}
     script = Path(sys.executable).parent / "rolltap-proxy"
     # The console script when installed; else the module (wheels unpacked beside the checkout).
     exe = [str(script)] if script.exists() else [sys.executable, "-m", "proxy.main"]
@@ -616,7 +618,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--server-cpu", type=int, help="CPU for the server under test (default: the least busy one)")
     p.add_argument("--client-cpu", type=int, help="CPU for wrk and the replica (default: another one)")
     p.add_argument("--out", help="also write the markdown report here")
+    p.add_argument("--setting", action="append", default=[], metavar="ROLLTAP_...=VALUE",
+                   help="a setting for the Rolltap proxies under test, as its environment variable (repeatable; "
+                   "e.g. ROLLTAP_DB__SQLITE_SYNCHRONOUS=NORMAL): what a knob costs per call")
     a = p.parse_args(argv)
+    if any(not entry.startswith("ROLLTAP_") or "=" not in entry for entry in a.setting):
+        p.error("--setting: want ROLLTAP_...=VALUE")
+    settings = dict(entry.partition("=")[::2] for entry in a.setting)
     if shutil.which("wrk") is None:
         raise SystemExit("wrk not found: apt-get install -y wrk")
     if (os.cpu_count() or 1) < 2:
@@ -675,10 +683,11 @@ def main(argv: list[str] | None = None) -> int:
                 servers.append(Server("bare", fwd.url, lambda rid: None, "/v1/chat/completions", fwd.proc,
                                       fwd.stop))
             elif t == "sqlite":
-                servers.append(start_rolltap("sqlite", replica_url, f"sqlite:///{work / 'rolltap.db'}", work, pin_cpu))
+                servers.append(start_rolltap("sqlite", replica_url, f"sqlite:///{work / 'rolltap.db'}", work, pin_cpu,
+                                             settings))
             elif t == "postgres":
                 pg_url, drop_pg = create_pg_database(a.pg_url)
-                servers.append(start_rolltap("postgres", replica_url, pg_url, work, pin_cpu))
+                servers.append(start_rolltap("postgres", replica_url, pg_url, work, pin_cpu, settings))
             elif t == "litellm":
                 servers.append(start_litellm(replica_url, Path(a.litellm_venv), work, pin_cpu))
             elif t == "agl":
