@@ -76,3 +76,39 @@ def test_finish_twice_and_bad_bodies(proxy_for: ProxyFactory) -> None:
         nan = http.post(f"{proxy.url}/rollout/f3/attempt/a1/reward", content=b'{"value": NaN}',
                         headers={"content-type": "application/json"})
         assert nan.status_code == 400 and set(nan.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def _batches(proxy_url: str) -> float:
+    """Transactions the recorder has committed record batches in (its write-time histogram's count)."""
+    metrics = httpx.get(f"{proxy_url}/metrics").text
+    return float(next(line.split()[1] for line in metrics.splitlines()
+                      if line.startswith("rolltap_recorder_write_seconds_count")))
+
+
+def test_a_lingering_batch_is_cut_short_by_whoever_waits_on_it(proxy_for: ProxyFactory, db_url: str) -> None:
+    """Records of calls ending close together share a transaction (the writer lingers for them), and
+    nobody waits out the linger: `finish` and lifecycle writes (a reward) have it written at once."""
+    replica = FaultReplica()
+    linger_s = 5.0
+    with serve_in_thread(replica) as (url, _), proxy_for([url], recorder={"linger_ms": linger_s * 1000}) as proxy, \
+            httpx.Client(timeout=30) as http:
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+        batches = _batches(proxy.url)
+        for attempt in ("a1", "a1", "a2"):
+            assert http.post(f"{proxy.base_url('lg', attempt)}/chat/completions", json=body).status_code == 200
+        time.sleep(0.3)
+        assert _count(db_url, "lg")[0] == 0  # the batch lingers for companions
+        started = time.monotonic()
+        reward = http.post(f"{proxy.url}/rollout/lg/attempt/a2/reward", json={"value": 1.0})
+        assert reward.status_code == 200, reward.text
+        assert time.monotonic() - started < linger_s / 2  # the reward's write took the batch with it
+        assert _count(db_url, "lg")[0] == 3
+        assert _batches(proxy.url) == batches + 1  # three calls, one transaction
+
+        # A finish barrier: its attempt's record goes at once too, without waiting out the linger.
+        assert http.post(f"{proxy.base_url('lg2', 'a1')}/chat/completions", json=body).status_code == 200
+        started = time.monotonic()
+        r = http.post(f"{proxy.url}/rollout/lg2/attempt/a1/finish", json={"status": "succeeded"})
+        assert r.status_code == 200, r.text
+        assert time.monotonic() - started < linger_s / 2
+        assert _count(db_url, "lg2") == (1, "succeeded")
