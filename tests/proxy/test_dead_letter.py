@@ -10,7 +10,6 @@ replay` writes it, once: a second replay finds nothing left to do.
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +20,7 @@ from sqlalchemy import create_engine, text
 from shared.db.engine import sync_url
 from tests.conftest import ProxyFactory
 from tests.support.fault_replica import FaultReplica
+from tests.support.metrics import metric
 from tests.support.servers import serve_in_thread
 
 POISON = "refused-model"
@@ -53,19 +53,13 @@ def _spool_cli(*args: str) -> subprocess.CompletedProcess[str]:
                           text=True, timeout=120)
 
 
-def _metric(body: str, name: str) -> float:
-    match = re.search(rf"^{name} (\S+)$", body, re.MULTILINE)
-    assert match is not None, name
-    return float(match.group(1))
-
-
 def test_a_refused_record_is_reported_and_replayed_once(proxy_for: ProxyFactory, db_url: str, tmp_path: Path) -> None:
     spool = tmp_path / "spool"
     with serve_in_thread(FaultReplica()) as (replica, _), proxy_for([replica]) as proxy, \
             httpx.Client(timeout=30) as http:
         _refuse_poison(db_url)
         base = proxy.base_url("dl", "0")
-        before = _metric(http.get(f"{proxy.url}/metrics").text, "rolltap_records_undurable_total")
+        before = metric(http.get(f"{proxy.url}/metrics").text, "rolltap_records_undurable_total")
         call_ids = []
         for model in ("m", POISON, "m"):
             answer = http.post(f"{base}/chat/completions",
@@ -86,8 +80,8 @@ def test_a_refused_record_is_reported_and_replayed_once(proxy_for: ProxyFactory,
         assert [c["call_id"] for c in attempt["calls"]] == [call_ids[0], call_ids[2]]
 
         metrics = http.get(f"{proxy.url}/metrics").text
-        assert _metric(metrics, "rolltap_records_undurable_total") == before + 1
-        assert _metric(metrics, "rolltap_dead_letter_records") == 1
+        assert metric(metrics, "rolltap_records_undurable_total") == before + 1
+        assert metric(metrics, "rolltap_dead_letter_records") == 1
         ready = http.get(f"{proxy.url}/readyz")
         assert ready.status_code == 200 and ready.json()["status"] == "degraded"
         assert ready.json()["checks"]["dead_letter_records"] == 1

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import time
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ from shared.db.engine import sync_url
 from tests.conftest import make_settings
 from tests.support.db_outage import Outage, wait_until
 from tests.support.fault_replica import FaultReplica
+from tests.support.metrics import metric
 from tests.support.servers import RunningProxy, run_proxy, serve_in_thread
 from tests.support.small_disk import SmallDisk, small_disk
 
@@ -57,8 +57,7 @@ def _refused_until_full(http: httpx.Client, proxy: RunningProxy, replica: FaultR
 
 
 def _metric(http: httpx.Client, url: str, name: str) -> float:
-    match = re.search(rf"^{name} (\S+)$", http.get(f"{url}/metrics").text, re.MULTILINE)
-    return float(match.group(1)) if match else 0.0
+    return metric(http.get(f"{url}/metrics").text, name, default=0.0)
 
 
 def _records(url: str) -> dict[str, Any]:

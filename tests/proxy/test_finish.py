@@ -13,6 +13,7 @@ from sqlalchemy import create_engine, text
 from shared.db.engine import sync_url
 from tests.conftest import ProxyFactory
 from tests.support.fault_replica import FaultReplica
+from tests.support.metrics import metric
 from tests.support.servers import serve_in_thread
 
 
@@ -80,9 +81,7 @@ def test_finish_twice_and_bad_bodies(proxy_for: ProxyFactory) -> None:
 
 def _batches(proxy_url: str) -> float:
     """Transactions the recorder has committed record batches in (its write-time histogram's count)."""
-    metrics = httpx.get(f"{proxy_url}/metrics").text
-    return float(next(line.split()[1] for line in metrics.splitlines()
-                      if line.startswith("rolltap_recorder_write_seconds_count")))
+    return metric(httpx.get(f"{proxy_url}/metrics").text, "rolltap_recorder_write_seconds_count")
 
 
 def test_a_lingering_batch_is_cut_short_by_whoever_waits_on_it(proxy_for: ProxyFactory, db_url: str) -> None:
