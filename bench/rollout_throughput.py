@@ -38,6 +38,13 @@ paths'. E.g. one server with 4 API servers against 3 servers behind the proxy:
 
     --server a=1x4 --server c=3 --paths direct@a,direct@c,proxy_on@c,proxy_on@c:1
 
+Serving a pushed policy, as Rolltap's default (`trainer.lora_rank = 8`) serves every call after the
+first push: `--lora-group NAME` starts that group with runtime LoRA; once its proxies are up, random
+rank-`--lora-rank` adapters are pushed through the first of them (`--pushes` versions, each timed) and
+`bench.lora_push` checks that every front end serves the last (the run stops if not); then every
+call on that group asks for the adapter, direct ones by its name. Its proxies keep the policy in
+their own database (`--lora-db`): a policy is per database, and other groups serve the base model.
+
     python -m bench.rollout_throughput --replica http://127.0.0.1:8100 --model tiny \\
         --db 'sqlite:////tmp/rt-{name}.db' --loads 8 --window-s 5 --rounds 1 --max-tokens 32
 """
@@ -62,9 +69,11 @@ import aiohttp
 from bench.harness import cpu_seconds, free_port, http_get, machine, stop_process, tree_cpu_seconds, wait_ready
 from bench.proxy_profile import fold, module_bucket
 from bench.throughput_report import baselines, pooled_ratio, tagged
+from trainer.weights import lora_name
 
 ROOT = Path(__file__).resolve().parent.parent
 SETTINGS = ("on", "off", "sample")
+ADMIN_TOKEN = "bench-admin-token"
 _GENERATED = re.compile(r"^vllm:generation_tokens_total\{[^}]*\} ([0-9.eE+-]+)$", re.M)
 _BUSY = re.compile(r"^vllm:num_requests_(?:running|waiting)\{[^}]*\} ([0-9.eE+-]+)$", re.M)
 PROMPTS = [f"Write a short story about a {thing}." for thing in
@@ -150,11 +159,11 @@ def _load(urls: list[str], extra: dict[str, Any], model: str, agents: range, tot
     return {"tokens": tokens, "chunks": chunks, "ttft": ttft, "latency": latency, "errors": errors}
 
 
-def _window(path: str, urls: list[str], extra: dict[str, Any], args: argparse.Namespace, load: int, rnd: int,
-            pool: ProcessPoolExecutor, pids: dict[str, int]) -> dict[str, Any]:
+def _window(path: str, urls: list[str], extra: dict[str, Any], model: str, args: argparse.Namespace, load: int,
+            rnd: int, pool: ProcessPoolExecutor, pids: dict[str, int]) -> dict[str, Any]:
     begin = time.time() + 0.5  # every load process counts from here, whenever the pool starts it
     tag = f"{load}-{rnd}-{_slug(path)}"  # rollout ids take letters, digits, '-' and '_'
-    futures = [pool.submit(_load, urls, extra, args.model, range(p, load, args.procs), load, tag,
+    futures = [pool.submit(_load, urls, extra, model, range(p, load, args.procs), load, tag,
                            begin, args.warmup_s, args.window_s, args.max_tokens) for p in range(min(args.procs, load))]
     # CPU cores per process over exactly the window: the main process samples while the load runs.
     time.sleep(max(0.0, begin + args.warmup_s - time.time()))
@@ -240,12 +249,15 @@ def _drain(replicas: list[str], timeout_s: float = 120.0) -> float:
 
 
 def _start_proxy(setting: str, args: argparse.Namespace, port: int, logs: Path, replicas: list[str],
-                 name: str) -> subprocess.Popen[bytes]:
+                 name: str, lora: bool) -> subprocess.Popen[bytes]:
     env = {**os.environ, "ROLLTAP_PROXY__OPEN_ACCESS": "true", "ROLLTAP_PROXY__ROLLOUT_LOGPROBS": setting,
            "ROLLTAP_PROXY__ROLLOUT_LOGPROBS_RATE": str(args.sample_rate), "ROLLTAP_PROXY__LOG_LEVEL": "warning",
            "ROLLTAP_PROXY__RECORDER__SPOOL_DIR": str(logs / f"spool-{name}")}
+    if lora:
+        env |= {"ROLLTAP_PROXY__ADMIN_TOKEN": ADMIN_TOKEN, "ROLLTAP_PROXY__POOL__WEIGHT_MODE": "lora"}
     log = open(logs / f"proxy-{name}.log", "wb")  # noqa: SIM115
-    cmd = [sys.executable, "-m", "proxy.main", "--port", str(port), "--db", args.db.format(name=name),
+    db = args.lora_db or args.db if lora else args.db
+    cmd = [sys.executable, "-m", "proxy.main", "--port", str(port), "--db", db.format(name=name),
            "--workers", str(args.proxy_workers)]
     for url in replicas:
         cmd += ["--replica", url]
@@ -287,6 +299,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--py-spy", default=None, metavar="BIN", help="profile the last round's windows with this "
                         "py-spy: the path's proxy and the replica's API server (shares by module in the JSON)")
     parser.add_argument("--paths", default="direct,direct_same_ask,proxy_on,proxy_off,proxy_sample")
+    parser.add_argument("--lora-group", default=None, metavar="NAME", help="a server group with runtime LoRA whose "
+                        "calls are served by adapters pushed through its first proxy path (one API server each)")
+    parser.add_argument("--lora-rank", type=int, default=8, help="the pushed adapters' rank (trainer.lora_rank's default)")
+    parser.add_argument("--pushes", type=int, default=3, help="adapter versions pushed, each timed")
+    parser.add_argument("--lora-model-dir", default=None, help="with --replica and --lora-group: the served "
+                        "model's folder (the adapters' shapes)")
+    parser.add_argument("--lora-db", default=None, help="database URL for the LoRA group's proxies (default --db)")
     parser.add_argument("--logs", type=Path, default=Path("/tmp/rolltap-throughput"))
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
@@ -306,10 +325,15 @@ def main(argv: list[str] | None = None) -> int:
     replicas: list[VllmReplica] = []
     args.groups = {}
     for name, (count, api) in groups.items():
-        extra = [*args.replica_arg, f"--api-server-count={api}"] if api > 1 else args.replica_arg
+        extra = [*args.replica_arg, f"--api-server-count={api}"] if api > 1 else list(args.replica_arg)
+        lora = name == args.lora_group
+        if lora and api > 1:  # vLLM refuses runtime LoRA with several API servers
+            parser.error(f"--lora-group {name}: its servers take one API server each")
+        if lora:
+            extra += ["--max-lora-rank", str(args.lora_rank)]  # after VllmReplica's own: the last one counts
         mine = [VllmReplica(args.start_replica, served_model_name=args.model, dtype=args.dtype, max_model_len=1024,
                             extra_args=extra, log_path=args.logs / f"replica-{name or 'all'}-{i}.log",
-                            serve_cli=args.vllm_serve or api > 1)
+                            serve_cli=args.vllm_serve or api > 1, enable_lora=lora)
                 for i in range(count)]
         args.groups[name] = mine
         replicas += mine
@@ -343,6 +367,30 @@ def _server_spec(spec: str) -> tuple[str, tuple[int, int]]:
     return name, (int(count), int(api or 1))
 
 
+def _group(path: str) -> str:
+    """The server group a path runs against (`` for a plain KIND)."""
+    return path.partition("@")[2].partition(":")[0]
+
+
+def _push(args: argparse.Namespace, proxies: list[str]) -> dict[str, Any]:
+    """Push the adapters through the LoRA group's first proxy and check every front end serves the last;
+    the run stops unless it holds (throughput on a half-pushed group would measure something else)."""
+    if not proxies:
+        raise SystemExit(f"--lora-group {args.lora_group}: give it a proxy path, the pushes go through one")
+    from bench.lora_push import push_and_check
+
+    fronts = args.groups[args.lora_group]
+    model_dir = args.start_replica or args.lora_model_dir
+    if model_dir is None:
+        raise SystemExit("--lora-group with running replicas: give --lora-model-dir (the served model's config)")
+    found = push_and_check(proxies[0], ADMIN_TOKEN, fronts, Path(model_dir), args.logs, rank=args.lora_rank,
+                           pushes=args.pushes, base_model=args.model, tag="bench")
+    print(json.dumps({"lora_push": {k: found[k] for k in ("rank", "front_ends", "push_s", "checks")}}), flush=True)
+    if not found["ok"]:
+        raise SystemExit(f"the push did not reach every front end: {found['checks']}")
+    return found
+
+
 def _target(path: str, groups: dict[str, list[str]]) -> tuple[str, list[str]]:
     """`KIND@NAME[:N]` -> (KIND, the replica URLs it runs against); a plain KIND runs against all."""
     kind, _, where = path.partition("@")
@@ -358,6 +406,8 @@ def _run(args: argparse.Namespace) -> int:
     paths = args.paths.split(",")
     targets: dict[str, tuple[list[str], dict[str, Any]]] = {}
     procs: dict[str, subprocess.Popen[bytes]] = {}
+    proxies: dict[str, str] = {}
+    lora_paths = [p for p in paths if args.lora_group and _group(p) == args.lora_group]
     try:
         for path in paths:
             kind, replicas = _target(path, args.groups)
@@ -367,13 +417,17 @@ def _run(args: argparse.Namespace) -> int:
             elif kind.startswith("proxy_") and kind[6:] in SETTINGS:
                 # One proxy per path, one after the other: proxies migrating one fresh database at once race.
                 port, name = free_port(), _slug(path)
-                procs[path] = _start_proxy(kind[6:], args, port, args.logs, replicas, name)
-                wait_ready(f"http://127.0.0.1:{port}", "/readyz", procs[path], 120.0,
+                procs[path] = _start_proxy(kind[6:], args, port, args.logs, replicas, name, path in lora_paths)
+                proxies[path] = f"http://127.0.0.1:{port}"
+                wait_ready(proxies[path], "/readyz", procs[path], 120.0,
                            log_path=args.logs / f"proxy-{name}.log", poll_s=0.3)
-                targets[path] = ([f"http://127.0.0.1:{port}/rollout/{{rollout}}/attempt/{{attempt}}/v1/chat/completions"],
-                                 {})
+                targets[path] = ([f"{proxies[path]}/rollout/{{rollout}}/attempt/{{attempt}}/v1/chat/completions"], {})
             else:
                 raise SystemExit(f"path {path!r}: not a known kind (direct, direct_same_ask, proxy_on|off|sample)")
+        models = {path: args.model for path in paths}
+        if lora_paths:
+            args.lora_push = _push(args, [proxies[p] for p in lora_paths if p in proxies])
+            models |= {p: lora_name(args.pushes) for p in lora_paths if p not in proxies}
         windows: list[dict[str, Any]] = []
         with ProcessPoolExecutor(args.procs) as pool:
             for load in (int(x) for x in args.loads.split(",")):
@@ -384,7 +438,8 @@ def _run(args: argparse.Namespace) -> int:
                         first = _target(path, args.groups)[1][0]
                         if first in args.replica_pids:
                             pids |= {"replica_api": args.replica_pids[first], "replica": args.replica_pids[first]}
-                        windows.append({**_window(path, *targets[path], args, load, rnd, pool, pids), "round": rnd})
+                        windows.append({**_window(path, *targets[path], models[path], args, load, rnd, pool, pids),
+                                        "round": rnd})
                         _write(args, windows, paths)
         print(json.dumps(_summary(windows, paths), indent=1))
         return 0
@@ -396,8 +451,9 @@ def _run(args: argparse.Namespace) -> int:
 def _write(args: argparse.Namespace, windows: list[dict[str, Any]], paths: list[str]) -> None:
     """Write the JSON so far (after every window: a run cut short by a time limit keeps what it measured)."""
     if args.out:
-        result = {"args": {k: str(v) for k, v in vars(args).items()}, "machine": machine(),
-                  "windows": windows, "summary": _summary(windows, paths)}
+        result = {"args": {k: str(v) for k, v in vars(args).items() if k != "lora_push"}, "machine": machine(),
+                  "lora_push": getattr(args, "lora_push", None), "windows": windows,
+                  "summary": _summary(windows, paths)}
         args.out.write_text(json.dumps(result, indent=1))
 
 

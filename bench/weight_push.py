@@ -44,13 +44,13 @@ import torch
 
 from bench import shapes
 from bench.harness import REPO_ROOT, free_port, machine, stop_process, wait_ready
+from bench.lora_push import random_adapter
 from tools.replica import VllmReplica
 from trainer import transfer
 from trainer.weights import WeightPusher
 
 TOKEN = "bench-admin-token"
 ADAPTER_TOKEN = "bench-adapter-token"
-LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 def _model_dir(shape: str, out: Path) -> Path:
@@ -171,33 +171,6 @@ def _full_rounds(args: argparse.Namespace, model_dir: Path, work: Path, device: 
     return {"bytes": size, "rounds": rounds}
 
 
-def _adapter(model_dir: Path, rank: int, out: Path, seed: int) -> Path:
-    """A PEFT adapter of `rank` on every linear layer of the shape, random A and B (what vLLM loads)."""
-    from safetensors.torch import save_file
-
-    config = json.loads((model_dir / "config.json").read_text())
-    hidden, inter = int(config["hidden_size"]), int(config["intermediate_size"])
-    kv = int(config.get("num_key_value_heads", config["num_attention_heads"])) * (
-        int(config.get("head_dim") or hidden // int(config["num_attention_heads"])))
-    dims = {"q_proj": (hidden, hidden), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (hidden, hidden),
-            "gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden)}
-    gen = torch.Generator().manual_seed(seed)
-    tensors: dict[str, torch.Tensor] = {}
-    for layer in range(int(config["num_hidden_layers"])):
-        for module, (fan_in, fan_out) in dims.items():
-            part = "mlp" if module.endswith(("gate_proj", "up_proj", "down_proj")) else "self_attn"
-            key = f"base_model.model.model.layers.{layer}.{part}.{module}"
-            tensors[f"{key}.lora_A.weight"] = (torch.randn(rank, fan_in, generator=gen) * 0.01).to(torch.bfloat16)
-            tensors[f"{key}.lora_B.weight"] = (torch.randn(fan_out, rank, generator=gen) * 0.01).to(torch.bfloat16)
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
-    (out / "adapter_config.json").write_text(json.dumps({
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank, "lora_dropout": 0.0,
-        "target_modules": LORA_TARGETS, "bias": "none", "fan_in_fan_out": False, "modules_to_save": None,
-        "base_model_name_or_path": str(model_dir), "inference_mode": True}))
-    return out
-
-
 def _lora_rounds(args: argparse.Namespace, model_dir: Path, work: Path, device: str, dtype: str) -> list[dict[str, Any]]:
     ranks = [int(r) for r in args.lora_ranks.split(",") if r]
     port = free_port()
@@ -216,7 +189,7 @@ def _lora_rounds(args: argparse.Namespace, model_dir: Path, work: Path, device: 
                 for rank in ranks:
                     for _ in range(3):
                         version += 1
-                        adapter = _adapter(model_dir, rank, work / f"adapter-v{version}", seed=version)
+                        adapter = random_adapter(model_dir, rank, work / f"adapter-v{version}", seed=version)
                         result = pusher.push_lora(version, adapter, base_model="x")
                         _, first_call_s = _greedy(proxy, f"lora-{version}")
                         row = {"transport": transport, "rank": rank, "version": version,

@@ -15,7 +15,8 @@
 #          (push times at a model shape, SHAPE, default llama3-8b: full weights through vLLM's weight-transfer
 #          engine (CUDA IPC) against a disk reload, and LoRA adapters by path and as bytes; docs/scale.md)
 #        scripts/gpu-run.sh OUT throughput [bench.rollout_throughput flags...]
-#          (replica layouts on the GPU, direct and through the proxy: SERVERS, KV_BYTES below)
+#          (replica layouts on the GPU, direct and through the proxy: SERVERS, KV_BYTES below; with
+#          `--lora-group NAME`, one group serves pushed LoRA adapters, checked on every front end)
 # env:   STASH  where the bundle parts were gathered (default /root/stash): NAME.tar.xz.NN, NAME.tar.xz.sha256
 #        PY     the host's Python 3.12 with torch and transformers (default python3)
 #        GGUF_MODEL  smollm2 (default: the `smol` bundle) or gemma3 (the `gemma` bundle: the GGUF the
@@ -100,8 +101,11 @@ if ! "$SITE/pgserver/pginstall/bin/pg_isready" -h 127.0.0.1 -p 5432 -q 2>/dev/nu
   say "PostgreSQL up"
 fi
 # A fresh database per run: rollout and attempt ids repeat from run to run.
-runuser -u rolltap-pg -- "$PG/dropdb" --if-exists -h 127.0.0.1 -U postgres rolltap
-runuser -u rolltap-pg -- "$PG/createdb" -h 127.0.0.1 -U postgres rolltap
+# (rolltap_lora: the throughput run's LoRA group keeps its pushed policy apart.)
+for db in rolltap rolltap_lora; do
+  runuser -u rolltap-pg -- "$PG/dropdb" --if-exists -h 127.0.0.1 -U postgres $db
+  runuser -u rolltap-pg -- "$PG/createdb" -h 127.0.0.1 -U postgres $db
+done
 
 MODEL=$STASH/models/$NAME
 if [ -n "${SHAPE:-}" ]; then
@@ -141,7 +145,8 @@ if [ "$MODE" = throughput ]; then
     *) echo "EXEC: eager or graphs" >&2; exit 2 ;;
   esac
   "$VPY" -m bench.rollout_throughput --start-replica "$MODEL" --model "$NAME" \
-    --db postgresql://postgres@127.0.0.1:5432/rolltap --start-together "${servers[@]}" \
+    --db postgresql://postgres@127.0.0.1:5432/rolltap --lora-db postgresql://postgres@127.0.0.1:5432/rolltap_lora \
+    --start-together "${servers[@]}" \
     --replica-arg=--gpu-memory-utilization=0.08 --replica-arg=--kv-cache-memory="${KV_BYTES:-8000000000}" \
     "${exec_args[@]}" --paths direct@a,direct@c,proxy_on@c:1,proxy_on@c --proxy-workers 4 \
     --logs "$OUT/throughput-logs" --out "$OUT/throughput.json" "$@" || rc=$?
