@@ -1,8 +1,14 @@
 """Server groups and path targets of bench.rollout_throughput (the layouts of docs/gpu-results.md "At scale")."""
 
+import json
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
-from bench.rollout_throughput import _server_spec, _slug, _target
+from bench.rollout_throughput import _group, _server_spec, _slug, _target
 from bench.throughput_report import baselines
 
 GROUPS = {"a": ["http://h:1"], "c": ["http://h:2", "http://h:3", "http://h:4"]}
@@ -29,3 +35,32 @@ def test_rollout_ids_and_baselines_of_grouped_paths() -> None:
     assert _slug("proxy_on@c:1") == "proxy_on-c-1"
     paths = ["direct@a", "direct@c", "direct_same_ask", "proxy_on@c:1", "proxy_on@c"]
     assert baselines(paths) == ["direct@a", "direct@c", "direct_same_ask"]
+
+
+def test_a_path_names_its_group() -> None:
+    assert [_group(p) for p in ("direct@l", "proxy_on@l:1", "direct")] == ["l", "l", ""]
+
+
+@pytest.mark.vllm
+def test_a_lora_group_serves_the_pushed_adapter_on_every_front_end(tiny_model_dir: Path, tmp_path: Path) -> None:
+    # Two CPU servers with runtime LoRA behind the proxy and one without: the pushes go through the
+    # proxy, the check proves both front ends serve the last, and then the group's direct calls ask
+    # for the adapter by name (a name no front end had loaded would fail every call) and the proxy's
+    # calls are rewritten to it.
+    out = tmp_path / "out.json"
+    subprocess.run([sys.executable, "-m", "bench.rollout_throughput", "--start-replica", str(tiny_model_dir),
+                    "--model", "tiny", "--dtype", "float32", "--server", "p=1", "--server", "l=2", "--lora-group", "l",
+                    "--paths", "direct@p,direct@l,proxy_on@l", "--loads", "2", "--rounds", "1", "--window-s", "2",
+                    "--warmup-s", "1", "--max-tokens", "8", "--procs", "2", "--db", f"sqlite:///{tmp_path}/{{name}}.db",
+                    "--lora-db", f"sqlite:///{tmp_path}/lora.db", "--logs", str(tmp_path / "logs"), "--out", str(out)],
+                   check=True, timeout=900)
+    result = json.loads(out.read_text())
+    push = result["lora_push"]
+    assert push["ok"] and all(push["checks"].values()) and len(push["push_s"]) == 3
+    assert len(push["served_by"]) == 2 and all(s > 0 for s in push["push_s"])
+    windows = {w["path"]: w for w in result["windows"]}
+    assert set(windows) == {"direct@p", "direct@l", "proxy_on@l"}
+    assert all(w["errors"] == 0 and w["tokens_per_s"] > 0 for w in windows.values())
+    with sqlite3.connect(tmp_path / "lora.db") as db:  # the proxy's calls were served by the last version
+        versions = {v for (v,) in db.execute("SELECT DISTINCT policy_version FROM calls WHERE rollout_id LIKE 'bench-%'")}
+    assert versions == {3}
