@@ -41,7 +41,8 @@ paths'. E.g. one server with 4 API servers against 3 servers behind the proxy:
 Serving a pushed policy, as Rolltap's default (`trainer.lora_rank = 8`) serves every call after the
 first push: `--lora-group NAME` starts that group with runtime LoRA; once its proxies are up, random
 rank-`--lora-rank` adapters are pushed through the first of them (`--pushes` versions, each timed) and
-`bench.lora_push` checks that every front end serves the last (the run stops if not); then every
+`bench.lora_push` checks that every front end serves the last (the run exits 1 at its end if not;
+a push that missed a front end stops it at once); then every
 call on that group asks for the adapter, direct ones by its name. Its proxies keep the policy in
 their own database (`--lora-db`): a policy is per database, and other groups serve the base model.
 
@@ -373,8 +374,9 @@ def _group(path: str) -> str:
 
 
 def _push(args: argparse.Namespace, proxies: list[str]) -> dict[str, Any]:
-    """Push the adapters through the LoRA group's first proxy and check every front end serves the last;
-    the run stops unless it holds (throughput on a half-pushed group would measure something else)."""
+    """Push the adapters through the LoRA group's first proxy and check every front end serves the last.
+    A push that misses a front end raises (throughput on a half-pushed group would measure something
+    else); a check that fails after a whole push is reported, and the run measures on."""
     if not proxies:
         raise SystemExit(f"--lora-group {args.lora_group}: give it a proxy path, the pushes go through one")
     from bench.lora_push import push_and_check
@@ -387,7 +389,7 @@ def _push(args: argparse.Namespace, proxies: list[str]) -> dict[str, Any]:
                            pushes=args.pushes, base_model=args.model, tag="bench")
     print(json.dumps({"lora_push": {k: found[k] for k in ("rank", "front_ends", "push_s", "checks")}}), flush=True)
     if not found["ok"]:
-        raise SystemExit(f"the push did not reach every front end: {found['checks']}")
+        print(f"the LoRA push check failed: {found['checks']}", file=sys.stderr, flush=True)
     return found
 
 
@@ -442,7 +444,7 @@ def _run(args: argparse.Namespace) -> int:
                                         "round": rnd})
                         _write(args, windows, paths)
         print(json.dumps(_summary(windows, paths), indent=1))
-        return 0
+        return 0 if getattr(args, "lora_push", None) is None or args.lora_push["ok"] else 1
     finally:
         for proc in procs.values():
             stop_process(proc, 90.0)
