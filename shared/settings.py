@@ -567,6 +567,16 @@ class TrainerSettings(BaseModel):
         "started with `--max-lora-rank` at least this.",
     )
     lora_alpha: int = Field(default=16, gt=0, description="LoRA alpha (the update is scaled by alpha / rank).")
+    lora_serve: Literal["adapter", "merged"] = Field(
+        default="adapter",
+        description="How a LoRA run's versions reach replicas. `adapter`: the adapter is pushed and replicas "
+        "serve it through vLLM's runtime LoRA (`--enable-lora`; one API server each, vLLM refuses more). "
+        "`merged`: each version is exported with the adapter merged into the base weights and pushed as full "
+        "weights (`reload_weights` from the exported folder, `weight_transfer = disk`), to replicas started for "
+        "full weights (no LoRA kernels; `--api-server-count` allowed). Serving an adapter made 0.44-0.85x of "
+        "the tokens/s of the same layout serving plain weights on an H100 (docs/gpu-results.md); a merged push "
+        "writes the whole model each version.",
+    )
     lora_target_modules: list[str] = Field(
         default_factory=lambda: ["all-linear"],
         description="Module names LoRA adapts; `[\"all-linear\"]` means every linear layer but the output head.",
@@ -663,10 +673,12 @@ class TrainerSettings(BaseModel):
 
     @model_validator(mode="after")
     def _check_weight_transfer(self) -> TrainerSettings:
-        # A LoRA run pushes adapters, never full weights: an in-memory transfer asked for would do nothing.
+        # In memory moves the trained full weights; a LoRA run's merged weights are exported (and
+        # its adapters pushed): an in-memory transfer asked for would do nothing.
         if self.weight_transfer != "disk" and self.lora_rank > 0:
             raise ValueError(f"weight_transfer = {self.weight_transfer!r} moves full weights; it needs lora_rank = 0 "
-                             f"(LoRA runs push adapters: see lora_transport)")
+                             f"(LoRA runs push adapters, see lora_transport, or merged weights from disk, see "
+                             f"lora_serve)")
         return self
 
 

@@ -217,7 +217,7 @@ def run_loop(
             in_memory = not updater.is_lora and ts.weight_transfer != "disk"
             policy_dir = checkpoint if in_memory else updater.export(run_dir / f"policy-v{step}")
             metrics["save_s"] = time.perf_counter() - t
-            row = _policy_row(settings, step, policy_dir, base_name, updater.is_lora)
+            row = _policy_row(settings, step, policy_dir, base_name, updater.export_kind == "lora")
             _crash_point("before_commit", step)
             metrics["read_s"] = read_s
             _commit(engine, step, data, metrics, row)

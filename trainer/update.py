@@ -139,6 +139,8 @@ class PolicyUpdater:
         self.model_path = str(Path(model_path).resolve())
         self.device = verl_cpu.pick_device(s.device)
         self.is_lora = s.lora_rank > 0
+        # What each version is exported as: an adapter, or full weights (LoRA merged in with `lora_serve = merged`).
+        self.export_kind: Literal["lora", "full"] = "lora" if self.is_lora and s.lora_serve == "adapter" else "full"
         self._step = 0
         self._ray: Any = None  # (worker group, resource pool, whether we connected to Ray)
         verl_cpu.setup(self.device)  # before anything imports verl's engines (trainer.worker does)
@@ -421,11 +423,11 @@ class PolicyUpdater:
     def export(self, out_dir: str | Path, kind: Literal["lora", "full"] | None = None) -> Path:
         """Write the current policy to `out_dir` (replaced atomically) and return it.
 
-        `kind` defaults to `lora` when training LoRA (a PEFT adapter directory for vLLM's
-        `/v1/load_lora_adapter`), else `full` (an HF safetensors directory for vLLM's
-        `reload_weights`); `full` with LoRA merges the adapter into the base weights.
+        `kind` defaults to `export_kind`: `lora` when training LoRA with `lora_serve = adapter` (a
+        PEFT adapter directory for vLLM's `/v1/load_lora_adapter`), else `full` (an HF safetensors
+        directory for vLLM's `reload_weights`); `full` with LoRA merges the adapter into the base weights.
         """
-        kind = kind or ("lora" if self.is_lora else "full")
+        kind = kind or self.export_kind
         out = Path(out_dir).resolve()
         out.parent.mkdir(parents=True, exist_ok=True)
         self._call("export_policy", str(out), kind)
