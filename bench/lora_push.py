@@ -5,9 +5,11 @@ Used by `bench.weight_push` (push times per rank and transport) and `bench.rollo
 `trainer.lora_rank = 8` serves them after the first push).
 
 The proof, after the last push: each front end asked directly at temperature 0 for the adapter
-answers the same, and differently from the base model and from the version before; then calls
-through the proxy, several at once so its balancer spreads them, must each be recorded with the
-new version, between them reach every front end, and answer what the front ends answered directly.
+answers the same, and differently from the base model and from the version before (by its text or
+by the top logprobs of its first tokens: a model with dummy weights may say the same whatever the
+adapter, measured on a 135M shape); then calls through the proxy, one per front end at a time in
+waves until the balancer has sent one to each (at most `MAX_WAVES`), must each be recorded with the
+new version and answer what the front ends answered directly.
 """
 
 from __future__ import annotations
@@ -28,6 +30,10 @@ LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 # Greedy, long enough that a changed policy shows in the text.
 PROBE = {"messages": [{"role": "user", "content": "Name three rivers."}], "max_tokens": 16, "temperature": 0,
          "ignore_eos": True}
+MAX_WAVES = 25
+# Two answers are the same policy's when their texts match and their first tokens' top logprobs are within
+# this (nats); bf16 on one GPU kind repeats itself far closer, a changed adapter moves them far more.
+SAME_LOGPROBS = 0.05
 
 
 def random_adapter(model_dir: Path, rank: int, out: Path, seed: int, scale: float = 0.01) -> Path:
@@ -60,10 +66,21 @@ def random_adapter(model_dir: Path, rank: int, out: Path, seed: int, scale: floa
     return out
 
 
-def _direct(url: str, model: str) -> str:
-    r = httpx.post(f"{url}/v1/chat/completions", json={"model": model, **PROBE}, timeout=300)
+Answer = tuple[str, list[list[float]]]  # the text, and the top-5 logprobs of its first 4 tokens
+
+
+def _direct(url: str, model: str) -> Answer:
+    r = httpx.post(f"{url}/v1/chat/completions", json={"model": model, **PROBE, "logprobs": True, "top_logprobs": 5},
+                   timeout=300)
     r.raise_for_status()
-    return str(r.json()["choices"][0]["message"]["content"])
+    choice = r.json()["choices"][0]
+    tops = [[t["logprob"] for t in token["top_logprobs"]] for token in choice["logprobs"]["content"][:4]]
+    return str(choice["message"]["content"]), tops
+
+
+def _same(a: Answer, b: Answer) -> bool:
+    return a[0] == b[0] and all(abs(x - y) <= SAME_LOGPROBS for p, q in zip(a[1], b[1], strict=True)
+                                for x, y in zip(p, q, strict=True))
 
 
 def _through(proxy: str, rollout: str) -> tuple[str, dict[str, Any]]:
@@ -80,7 +97,7 @@ def push_and_check(proxy: str, admin_token: str, fronts: list[str], model_dir: P
     that the last reached every one of `fronts`. Returns the timings and what the check saw; `ok` says
     whether it held. `tag` keeps the check's rollout ids apart from other runs on the same database."""
     seconds: list[float] = []
-    answers: dict[str, dict[str, str]] = {"base": {url: _direct(url, base_model) for url in fronts}}
+    answers: dict[str, dict[str, Answer]] = {"base": {url: _direct(url, base_model) for url in fronts}}
     with WeightPusher(proxy, admin_token, timeout_s=900) as pusher:
         for version in range(1, pushes + 1):
             adapter = random_adapter(model_dir, rank, work / f"adapter-{tag}-v{version}", seed=version, scale=0.05)
@@ -94,17 +111,20 @@ def push_and_check(proxy: str, admin_token: str, fronts: list[str], model_dir: P
     # batch of one, as it did when asked directly (a larger batch may round a near tie the other way).
     spread: list[tuple[str, dict[str, Any]]] = []
     with ThreadPoolExecutor(len(fronts)) as pool:
-        for wave in range(4):
+        for wave in range(MAX_WAVES):
             spread += pool.map(lambda i, w=wave: _through(proxy, f"push-check-{tag}-{w}-{i}"), range(len(fronts)))
-    last = answers[f"v{pushes}"]
+            if {call["replica"] for _, call in spread} == set(fronts):
+                break
+    last = list(answers[f"v{pushes}"].values())
+    previous = list(answers[f"v{pushes - 1}"].values()) if pushes > 1 else []
     served = sorted({call["replica"] for _, call in spread})
     checks = {
-        "every_front_end_answers_alike": len(set(last.values())) == 1,
-        "differs_from_base": set(last.values()).isdisjoint(answers["base"].values()),
-        "differs_from_previous_version": pushes < 2 or set(last.values()).isdisjoint(answers[f"v{pushes - 1}"].values()),
+        "every_front_end_answers_alike": all(_same(last[0], other) for other in last),
+        "differs_from_base": not any(_same(last[0], base) for base in answers["base"].values()),
+        "differs_from_previous_version": not any(_same(last[0], old) for old in previous),
         "calls_reach_every_front_end": served == sorted(fronts),
         "calls_recorded_with_new_version": {call["policy_version"] for _, call in spread} == {pushes},
-        "calls_answer_as_front_ends": {text for text, _ in spread} == set(last.values()),
+        "calls_answer_as_front_ends": {text for text, _ in spread} == {text for text, _ in last},
     }
-    return {"rank": rank, "front_ends": len(fronts), "push_s": seconds, "served_by": served, "answers": answers,
-            "checks": checks, "ok": all(checks.values())}
+    return {"rank": rank, "front_ends": len(fronts), "push_s": seconds, "served_by": served,
+            "probe_calls": len(spread), "answers": answers, "checks": checks, "ok": all(checks.values())}

@@ -50,7 +50,9 @@ def pooled_ratio(windows: list[dict[str, Any]], path: str, base: str, resamples:
     for w in windows:
         if w["path"] in (path, base):
             by_round.setdefault(w["key"], {})[w["path"]] = w["tokens"]
-    rounds = [r for r in by_round.values() if path in r and base in r]
+    # A round whose baseline window counted no tokens (a replica's counter that did not move in a short
+    # CPU window) cannot be a denominator.
+    rounds = [r for r in by_round.values() if path in r and base in r and r[base] > 0]
     if not rounds:
         return None
 

@@ -572,7 +572,7 @@ class TrainerSettings(BaseModel):
         description="How a LoRA run's versions reach replicas. `adapter`: the adapter is pushed and replicas "
         "serve it through vLLM's runtime LoRA (`--enable-lora`; one API server each, vLLM refuses more). "
         "`merged`: each version is exported with the adapter merged into the base weights and pushed as full "
-        "weights (`reload_weights` from the exported folder, `weight_transfer = disk`), to replicas started for "
+        "weights (as `weight_transfer` says: a folder to reload, or in memory), to replicas started for "
         "full weights (no LoRA kernels; `--api-server-count` allowed). Serving an adapter made 0.44-0.85x of "
         "the tokens/s of the same layout serving plain weights on an H100 (docs/gpu-results.md); a merged push "
         "writes the whole model each version.",
@@ -648,7 +648,7 @@ class TrainerSettings(BaseModel):
     )
     weight_transfer: Literal["disk", "ipc", "shm"] = Field(
         default="disk",
-        description="How a full-weight push (`lora_rank = 0`) reaches replicas. `disk`: the trainer exports an HF "
+        description="How a full-weight push (`lora_rank = 0`, or LoRA with `lora_serve = merged`) reaches replicas. `disk`: the trainer exports an HF "
         "folder and each replica re-reads it (`reload_weights`; the folder's path must be readable there). "
         "In memory, through vLLM's weight-transfer engine (replicas started with `--weight-transfer-config`), "
         "no folder written: `ipc` hands CUDA IPC handles of the trainer's tensors to replicas on the trainer's "
@@ -673,12 +673,10 @@ class TrainerSettings(BaseModel):
 
     @model_validator(mode="after")
     def _check_weight_transfer(self) -> TrainerSettings:
-        # In memory moves the trained full weights; a LoRA run's merged weights are exported (and
-        # its adapters pushed): an in-memory transfer asked for would do nothing.
-        if self.weight_transfer != "disk" and self.lora_rank > 0:
+        # In memory moves full weights (a LoRA run's merged ones): adapters pushed, it would do nothing.
+        if self.weight_transfer != "disk" and self.lora_rank > 0 and self.lora_serve == "adapter":
             raise ValueError(f"weight_transfer = {self.weight_transfer!r} moves full weights; it needs lora_rank = 0 "
-                             f"(LoRA runs push adapters, see lora_transport, or merged weights from disk, see "
-                             f"lora_serve)")
+                             f"or lora_serve = merged (adapters are pushed as files: see lora_transport)")
         return self
 
 

@@ -214,7 +214,7 @@ def run_loop(
             checkpoint = updater.save_checkpoint()
             # In memory (weight_transfer ipc or shm), no folder is written: the version's weights are its
             # checkpoint's, and a re-push after a crash sends them from the updater resumed from it.
-            in_memory = not updater.is_lora and ts.weight_transfer != "disk"
+            in_memory = updater.export_kind == "full" and ts.weight_transfer != "disk"
             policy_dir = checkpoint if in_memory else updater.export(run_dir / f"policy-v{step}")
             metrics["save_s"] = time.perf_counter() - t
             row = _policy_row(settings, step, policy_dir, base_name, updater.export_kind == "lora")

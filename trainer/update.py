@@ -435,9 +435,10 @@ class PolicyUpdater:
 
     def stage_weights(self, backend: transfer.Backend) -> dict[str, Any]:
         """The full weights held in memory for vLLM's weight-transfer engine, as `/update_weights`'s
-        `update_info` (trainer/transfer.py); `release_weights()` once every replica has loaded them."""
-        if self.is_lora:
-            raise ValueError("an in-memory weight transfer moves full weights; LoRA training pushes adapters")
+        `update_info` (trainer/transfer.py); `release_weights()` once every replica has loaded them.
+        A LoRA run stages its merged weights (`lora_serve = merged`)."""
+        if self.export_kind == "lora":
+            raise ValueError("an in-memory weight transfer moves full weights; lora_serve = adapter pushes adapters")
         info: dict[str, Any] | None = self._call("stage_weights", backend)
         if info is None:
             raise RuntimeError("rank 0 staged no weights")

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from copy import deepcopy
 from pathlib import Path
 from typing import Any, TypeVar
@@ -43,6 +43,13 @@ __all__ = ["PolicyWorker"]
 _F = TypeVar("_F", bound=Callable[..., Any])
 _ONE_TO_ALL = Dispatch.ONE_TO_ALL  # type: ignore[attr-defined]  # verl builds Dispatch's members at runtime
 _PER_RANK_DATA = make_nd_compute_dataproto_dispatch_fn(mesh_name="train")  # type: ignore[no-untyped-call]
+
+
+def _whole(param: torch.Tensor) -> torch.Tensor:
+    """A parameter whole: an FSDP2 shard gathered from every rank (a collective), else itself."""
+    from torch.distributed.tensor import DTensor
+
+    return param.full_tensor() if isinstance(param, DTensor) else param
 
 
 def _worker_method(dispatch_mode: Any, blocking: bool = True) -> Callable[[_F], _F]:
@@ -159,12 +166,9 @@ class PolicyWorker(TrainingWorker):
 
     @_worker_method(_ONE_TO_ALL)
     def stage_weights(self, backend: transfer.Backend) -> dict[str, Any] | None:
-        """The full weights as `/update_weights`'s `update_info` (rank 0; None elsewhere), kept alive until
-        `release_weights`. A collective: every rank gathers each parameter whole."""
-        from torch.distributed.tensor import DTensor
-
-        if self._is_lora:
-            raise ValueError("an in-memory weight transfer moves full weights; LoRA training pushes adapters")
+        """The full weights (a LoRA run's merged with its adapter) as `/update_weights`'s `update_info`
+        (rank 0; None elsewhere), kept alive until `release_weights`. A collective: every rank gathers
+        each parameter whole."""
         if backend not in ("ipc", "shm"):
             raise ValueError(f"weight transfer backend must be 'ipc' or 'shm', not {backend!r}")
         self.release_weights()
@@ -173,10 +177,30 @@ class PolicyWorker(TrainingWorker):
         # replica serves (the checkpoint's, vLLM's `dtype auto`), half of the fp32 master weights. shm: as
         # the disk export writes them, so both pushes give a replica the same numbers.
         wire = getattr(self.model_config.hf_config, "torch_dtype", None) if backend == "ipc" else None
-        named = ((name, p.full_tensor() if isinstance(p, DTensor) else p)
-                 for name, p in engine.module.named_parameters())
+        named = self._merged_parameters() if self._is_lora else (
+            (name, _whole(p)) for name, p in engine.module.named_parameters())
         self._staged = transfer.stage(named, backend, wire if isinstance(wire, torch.dtype) else None)
         return self._staged.update_info
+
+    def _merged_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The base model's parameters by its own names (what a replica loads), each adapted weight
+        with the adapter merged in: W + scaling * B @ A, as PEFT's `merge_and_unload` makes it. Every
+        rank walks them in the same order (each gather is a collective)."""
+        from peft.tuners.lora import LoraLayer
+
+        engine: Any = self.engine
+        adapted = {name: m for name, m in engine.module.named_modules() if isinstance(m, LoraLayer)}
+        for name, param in engine.module.named_parameters():
+            if "lora_" in name:
+                continue
+            tensor = _whole(param).detach()
+            owner, base, field = name.rpartition(".base_layer.")
+            if base and field == "weight":
+                layer: Any = adapted[owner]
+                a = _whole(layer.lora_A["default"].weight).detach()
+                b = _whole(layer.lora_B["default"].weight).detach()
+                tensor = tensor + (b.to(tensor.dtype) @ a.to(tensor.dtype)) * layer.scaling["default"]
+            yield name.removeprefix("base_model.model.").replace(".base_layer.", "."), tensor
 
     @_worker_method(_ONE_TO_ALL)
     def release_weights(self) -> None:
@@ -186,14 +210,12 @@ class PolicyWorker(TrainingWorker):
 
     def _lora_state_dict(self) -> dict[str, torch.Tensor]:
         """The LoRA tensors, whole, on rank 0's CPU (empty elsewhere); a collective over the shards."""
-        from torch.distributed.tensor import DTensor
-
         engine: Any = self.engine
         state: dict[str, torch.Tensor] = {}
         for name, param in engine.module.named_parameters():
             if "lora_" not in name:
                 continue
-            whole = param.full_tensor() if isinstance(param, DTensor) else param
+            whole = _whole(param)
             if dist.get_rank() == 0:
                 state[name] = whole.detach().to("cpu", copy=True)
         return state
@@ -210,10 +232,15 @@ class PolicyWorker(TrainingWorker):
             )
         if self._is_lora:
             from peft import get_peft_model
+            from torch.distributed.tensor import DTensor
 
             engine: Any = self.engine
             peft_config = deepcopy(engine.module.peft_config["default"])
             model = get_peft_model(model, peft_config)
+            # Training on the CPU, the gathered state is the engine's own storage: merging into it would
+            # add the adapter to the base weights being trained, once more at every export.
+            own = {(p.to_local() if isinstance(p, DTensor) else p).data_ptr() for p in engine.module.parameters()}
+            state = {k: v.clone() if v.data_ptr() in own else v for k, v in state.items()}
         # The gathered tensors become the model's parameters (no copy); tied weights stay tied.
         missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
         if unexpected or any(k for k in missing if "lm_head" not in k):

@@ -50,7 +50,7 @@ def test_a_lora_group_serves_the_pushed_adapter_on_every_front_end(tiny_model_di
     out = tmp_path / "out.json"
     subprocess.run([sys.executable, "-m", "bench.rollout_throughput", "--start-replica", str(tiny_model_dir),
                     "--model", "tiny", "--dtype", "float32", "--server", "p=1", "--server", "l=2", "--lora-group", "l",
-                    "--paths", "direct@p,direct@l,proxy_on@l", "--loads", "2", "--rounds", "1", "--window-s", "2",
+                    "--paths", "direct@p,direct@l,proxy_on@l", "--loads", "2", "--rounds", "1", "--window-s", "3",
                     "--warmup-s", "1", "--max-tokens", "8", "--procs", "2", "--db", f"sqlite:///{tmp_path}/{{name}}.db",
                     "--lora-db", f"sqlite:///{tmp_path}/lora.db", "--logs", str(tmp_path / "logs"), "--out", str(out)],
                    check=True, timeout=900)
@@ -60,7 +60,7 @@ def test_a_lora_group_serves_the_pushed_adapter_on_every_front_end(tiny_model_di
     assert len(push["served_by"]) == 2 and all(s > 0 for s in push["push_s"])
     windows = {w["path"]: w for w in result["windows"]}
     assert set(windows) == {"direct@p", "direct@l", "proxy_on@l"}
-    assert all(w["errors"] == 0 and w["tokens_per_s"] > 0 for w in windows.values())
+    assert all(w["errors"] == 0 and w["delivered_tokens_per_s"] > 0 for w in windows.values())
     with sqlite3.connect(tmp_path / "lora.db") as db:  # the proxy's calls were served by the last version
         versions = {v for (v,) in db.execute("SELECT DISTINCT policy_version FROM calls WHERE rollout_id LIKE 'bench-%'")}
     assert versions == {3}

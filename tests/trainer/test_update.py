@@ -109,6 +109,9 @@ def test_export_loads_in_transformers_and_peft(trained: SimpleNamespace, tiny_mo
         merged = trained.updater.export(tmp_path / "merged", kind="full")
         model = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32).eval()
         torch.testing.assert_close(hf_log_probs(model, batch), trained.after, atol=1e-4, rtol=0)
+        # Merging wrote a copy: the policy in training is untouched (on the CPU the gathered state is
+        # the engine's own storage, and an in-place merge once added the adapter into it).
+        torch.testing.assert_close(trained.updater.log_probs(batch), trained.after, atol=1e-5, rtol=0)
     else:
         with pytest.raises(ValueError, match="LoRA"):
             trained.updater.export(tmp_path / "adapter", kind="lora")

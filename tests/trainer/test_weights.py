@@ -299,25 +299,30 @@ def test_a_lora_push_as_bytes_reaches_a_replica_that_cannot_see_the_trainers_fol
 def test_a_merged_lora_version_serves_on_a_full_weight_replica_as_its_adapter_does(
         lora_replica: VllmReplica, full_replica: VllmReplica, tiny_model_dir: Path, proxy_for: ProxyFactory,
         tmp_path: Path) -> None:
-    # `lora_serve = merged`: a LoRA run exports each version as full weights, the adapter merged in, for
-    # replicas without runtime LoRA. The same trained policy served both ways answers alike.
-    settings = TrainerSettings(model=str(tiny_model_dir), lora_rank=8, lora_serve="merged", lr=0.2, ppo_epochs=1,
-                               mini_batch_size=4, micro_batch_size=2)
+    # `lora_serve = merged`: a LoRA run's versions go out as full weights, the adapter merged in, for
+    # replicas without runtime LoRA: from an exported folder, or in memory. The same trained policy
+    # served each of the three ways answers alike.
+    settings = TrainerSettings(model=str(tiny_model_dir), lora_rank=8, lora_serve="merged", weight_transfer="shm",
+                               lr=0.2, ppo_epochs=1, mini_batch_size=4, micro_batch_size=2)
     with PolicyUpdater(tiny_model_dir, settings) as updater:
         updater.update(policy_batch(tiny_model_dir))
         merged = updater.export(tmp_path / "policy-v1")  # the loop's export: its kind is the setting's
         adapter = updater.export(tmp_path / "adapter-v1", kind="lora")
+        with proxy_for([full_replica.url], pool={"weight_mode": "full"}) as full, \
+                WeightPusher(full.url, "t") as pusher:
+            before, _ = _greedy(full.url, "merged-0")
+            result = pusher.push_full(1, merged, served_name="tiny")
+            from_disk, call = _greedy(full.url, "merged-1")
+            pusher.push_full(2, tiny_model_dir, served_name="tiny")
+            pusher.push_full_in_memory(3, served_name="tiny", stage=lambda: updater.stage_weights("shm"),
+                                       release=updater.release_weights)
+            in_memory, _ = _greedy(full.url, "merged-3")
+            pusher.push_full(4, tiny_model_dir, served_name="tiny")  # the module's replica back to the base model
     assert updater.export_kind == "full" and (merged / "model.safetensors").is_file()
     assert not (merged / "adapter_config.json").exists()
-    with proxy_for([full_replica.url], pool={"weight_mode": "full"}) as full, \
-            WeightPusher(full.url, "t") as pusher:
-        before, _ = _greedy(full.url, "merged-0")
-        result = pusher.push_full(1, merged, served_name="tiny")
-        as_merged, call = _greedy(full.url, "merged-1")
-        pusher.push_full(2, tiny_model_dir, served_name="tiny")  # the module's replica back to the base model
     with proxy_for([lora_replica.url], pool={"weight_mode": "lora"}) as lora, \
             WeightPusher(lora.url, "t") as pusher:
         pusher.push_lora(31, adapter, base_model="tiny")
         as_adapter, _ = _greedy(lora.url, "adapter-31")
     assert result.pushed == [full_replica.url] and call["policy_version"] == 1
-    assert as_merged != before and as_merged == as_adapter
+    assert from_disk != before and from_disk == in_memory == as_adapter
