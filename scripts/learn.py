@@ -17,8 +17,9 @@ and at the last one, its attempts finished without a reward (recorded, never tra
 Per policy version the driver runs `groups` tasks x `group_size` attempts through the proxy
 with the plain `openai` SDK, then waits for the trainer (the real `rolltap-trainer run
 --config`, a separate process) to train on them and push the next version to the replicas: a
-LoRA adapter (`--lora-rank N`, runtime LoRA replicas) or, with `--lora-rank 0`, full weights
-(replicas reload them with admission paused). The reward curve, step time and its phases are written to `--out`.
+LoRA adapter (`--lora-rank N`, runtime LoRA replicas), the LoRA-trained policy merged into full
+weights (`--lora-serve merged`), or, with `--lora-rank 0`, full weights (replicas reload those
+two with admission paused). The reward curve, step time and its phases are written to `--out`.
 
 A run is budgeted in policy versions (`--steps`): a slow or loaded machine takes longer
 rather than stopping early; `--minutes` is only a safety cap, and the report says when it
@@ -97,6 +98,7 @@ micro_batch_size = {micro_batch}
 lr = {lr}
 lora_rank = {lora_rank}
 lora_alpha = {lora_alpha}
+lora_serve = "{lora_serve}"
 kl_coef = {kl_coef}
 ppo_epochs = {ppo_epochs}
 entropy_coeff = {entropy_coeff}
@@ -289,8 +291,15 @@ def _parse_trainer_log(path: Path) -> dict[int, dict[str, float]]:
     return steps
 
 
+def _adapters_served(args: argparse.Namespace) -> bool:
+    """Whether replicas serve pushed adapters (runtime LoRA), else full weights (trained, or merged)."""
+    return bool(args.lora_rank) and args.lora_serve == "adapter"
+
+
 def _weights(args: argparse.Namespace) -> str:
-    return "runtime LoRA" if args.lora_rank else "full-weight reloads"
+    if _adapters_served(args):
+        return "runtime LoRA"
+    return "full-weight reloads (LoRA merged)" if args.lora_rank else "full-weight reloads"
 
 
 def _trained(args: argparse.Namespace) -> str:
@@ -340,6 +349,8 @@ def main() -> None:
                         help="max_tokens per completion (default: 16 for letter, 24 for arithmetic, 48 for calculator)")
     parser.add_argument("--lora-rank", type=int, default=8, help="0: train and push full weights")
     parser.add_argument("--lora-alpha", type=int, default=None, help="default: 2 x rank")
+    parser.add_argument("--lora-serve", choices=["adapter", "merged"], default="adapter",
+                        help="trainer.lora_serve: push adapters to runtime LoRA replicas, or the merged full weights")
     parser.add_argument("--mini-batch", type=int, default=None, help="PPO mini-batch rows (default: one step's "
                         "rows, groups x group size: one optimizer step per policy version)")
     parser.add_argument("--micro-batch", type=int, default=None, help="rows per forward/backward "
@@ -389,8 +400,8 @@ def main() -> None:
     proxy_url = f"http://127.0.0.1:{args.port}"
     bin_dir = Path(sys.executable).parent
     # A replica takes runtime LoRA or full-weight reloads (the control routes of vLLM's dev mode), not both.
-    replica_kwargs: dict[str, Any] = {"served_model_name": served_name, "enable_lora": args.lora_rank > 0,
-                                      "dev_mode": args.lora_rank == 0}
+    replica_kwargs: dict[str, Any] = {"served_model_name": served_name, "enable_lora": _adapters_served(args),
+                                      "dev_mode": not _adapters_served(args)}
     if args.dtype != "float32":
         replica_kwargs["dtype"] = args.dtype
     if args.max_model_len != 512:
@@ -402,7 +413,7 @@ def main() -> None:
         extra_env |= REPLICA_ENV
     if extra_env:
         replica_kwargs["extra_env"] = extra_env
-    if args.lora_rank > 8:  # tools.replica passes --max-lora-rank 8; the last flag wins
+    if _adapters_served(args) and args.lora_rank > 8:  # tools.replica passes --max-lora-rank 8; the last wins
         extra_args += ["--max-lora-rank", str(args.lora_rank)]
     if extra_args:
         replica_kwargs["extra_args"] = extra_args
@@ -418,7 +429,7 @@ def main() -> None:
         # The trainer is a world of its own: a torch.distributed rendezvous inherited from the
         # caller (a process that ran an updater in-process, as the tests do) points at a port in use.
         env = {**{k: v for k, v in os.environ.items() if k not in RENDEZVOUS_ENV}, "ROLLTAP_PROXY__ADMIN_TOKEN": TOKEN, "ROLLTAP_PROXY__AGENT_KEY": AGENT_KEY,
-               "ROLLTAP_PROXY__POOL__WEIGHT_MODE": "lora" if args.lora_rank else "full",
+               "ROLLTAP_PROXY__POOL__WEIGHT_MODE": "lora" if _adapters_served(args) else "full",
                "ROLLTAP_PROXY__RECORDER__SPOOL_DIR": str(args.workdir / "spool")}
         cmd = [str(bin_dir / "rolltap-proxy"), "--db", db, "--port", str(args.port)]
         for r in replicas:
@@ -432,6 +443,7 @@ def main() -> None:
             db=db, model=model, ckpt=args.workdir / "checkpoints", steps=args.steps, group_size=args.group_size,
             groups=args.groups, proxy=proxy_url, token=TOKEN, mini_batch=args.mini_batch,
             micro_batch=args.micro_batch, lr=args.lr, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
+            lora_serve=args.lora_serve,
             seed=args.seed, ppo_epochs=args.ppo_epochs, entropy_coeff=args.entropy_coeff, kl_coef=args.kl_coef,
             clip_low=args.clip_ratio, clip_high=args.clip_high or args.clip_ratio, norm_adv=str(not args.no_std_norm).lower(),
             credit=args.credit, gamma=args.gamma))
@@ -749,9 +761,9 @@ def _write_report(args: argparse.Namespace, model: Path, served_name: str, curve
             f"{_fmt(_median([c['rollout_s'] for c, _ in steady]))} | {rollout_share:.0%} |",
             f"| update: old logprobs, GRPO advantages, PPO loss, backward, AdamW | {_fmt(med['update_s'])} | "
             f"{share['update_s']:.0%} |",
-            f"| save: checkpoint + {'LoRA' if args.lora_rank else 'full-weight'} export | {_fmt(med['save_s'])} | "
+            f"| save: checkpoint + {'LoRA' if _adapters_served(args) else 'full-weight'} export | {_fmt(med['save_s'])} | "
             f"{share['save_s']:.0%} |",
-            f"| push: {'LoRA load on the replicas' if args.lora_rank else 'pause, weight reload on the replicas, resume'}"
+            f"| push: {'LoRA load on the replicas' if _adapters_served(args) else 'pause, weight reload on the replicas, resume'}"
             f", proxy switch | {_fmt(med['push_s'])} | {share['push_s']:.0%} |",
             f"| other (batch building, commit) | | {other:.0%} |",
             "",

@@ -1,6 +1,8 @@
 """The multi-turn agent loop, short, on CPU: `scripts.learn --task calculator` runs the OpenAI Agents
-SDK agent through the proxy on PostgreSQL against a real CPU replica, the trainer trains and pushes,
-and the rows it builds merge each episode's turns with the tool's answer masked out."""
+SDK agent through the proxy on PostgreSQL against a real CPU replica, the trainer trains LoRA and
+pushes each version merged into full weights (`trainer.lora_serve = merged`; the compose test
+runs the loop with adapters), and the rows it builds merge each episode's turns with the tool's
+answer masked out."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from transformers import AutoTokenizer
 
 from scripts.agent_report import attempt_samples, curve_from_log
 from shared.db.engine import sync_url
-from shared.db.models import Attempt, Call, TrainingStep, TrainingStepAttempt
+from shared.db.models import Attempt, Call, PolicyVersion, TrainingStep, TrainingStepAttempt
 from shared.settings import TrainerSettings
 from tests.support.databases import database
 
@@ -43,7 +45,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path, s
         proc = subprocess.run(
             [sys.executable, "-m", "scripts.learn", "--task", "calculator", "--steps", str(STEPS), "--replicas", "1",
              "--groups", str(GROUPS), "--group-size", str(SIZE), "--eval-tasks", str(EVAL), "--eval-every", str(STEPS), "--credit", "last_only",
-             "--concurrency", "4", "--db", url, "--workdir", str(tmp / "work"), "--out", str(out), "--port", str(free_port())],
+             "--concurrency", "4", "--lora-serve", "merged", "--db", url, "--workdir", str(tmp / "work"), "--out", str(out), "--port", str(free_port())],
             cwd=ROOT, capture_output=True, text=True, timeout=1200)
         logs = "".join(f"\n== {f.name}\n" + f.read_text(errors="replace")[-4000:]
                        for f in sorted((tmp / "work").glob("*.log")))
@@ -65,6 +67,11 @@ def test_the_loop_trains_and_evaluates_without_training_on_the_held_out_set(run:
         trained = conn.execute(select(func.count()).select_from(TrainingStepAttempt)
                                .where(TrainingStepAttempt.attempt_pk.in_(evals))).scalar()
         assert trained == 0
+        # Every version went out as merged full weights, and the last evaluation was served by the last.
+        kinds = dict(conn.execute(select(PolicyVersion.version, PolicyVersion.kind).where(PolicyVersion.version > 0)).all())
+        assert kinds == {v: "full" for v in range(1, STEPS + 1)}
+        versions = set(conn.execute(select(Call.policy_version).where(Call.rollout_id.like("eval-%"))).scalars())
+        assert versions == {0, STEPS}
     engine.dispose()
     report = out.read_text()
     assert "## The agent: held-out score, calls, tool calls" in report
