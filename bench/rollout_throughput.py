@@ -42,8 +42,8 @@ Serving a pushed policy, as Rolltap's default (`trainer.lora_rank = 8`) serves e
 first push: `--lora-group NAME` starts that group with runtime LoRA; once its proxies are up, random
 rank-`--lora-rank` adapters are pushed through the first of them (`--pushes` versions, each timed) and
 `bench.lora_push` checks that every front end serves the last (the run exits 1 at its end if not;
-a push that missed a front end stops it at once); then every
-call on that group asks for the adapter, direct ones by its name. Its proxies keep the policy in
+a push that missed a front end stops it at once); then every call on that group asks for the
+adapter, direct ones by its name. Its proxies keep the policy in
 their own database (`--lora-db`): a policy is per database, and other groups serve the base model.
 
     python -m bench.rollout_throughput --replica http://127.0.0.1:8100 --model tiny \\
@@ -410,6 +410,7 @@ def _run(args: argparse.Namespace) -> int:
     procs: dict[str, subprocess.Popen[bytes]] = {}
     proxies: dict[str, str] = {}
     lora_paths = [p for p in paths if args.lora_group and _group(p) == args.lora_group]
+    args.lora_push = None  # what `_push` found, once the LoRA group's pushes are done
     try:
         for path in paths:
             kind, replicas = _target(path, args.groups)
@@ -444,7 +445,7 @@ def _run(args: argparse.Namespace) -> int:
                                         "round": rnd})
                         _write(args, windows, paths)
         print(json.dumps(_summary(windows, paths), indent=1))
-        return 0 if getattr(args, "lora_push", None) is None or args.lora_push["ok"] else 1
+        return 0 if args.lora_push is None or args.lora_push["ok"] else 1
     finally:
         for proc in procs.values():
             stop_process(proc, 90.0)
@@ -454,7 +455,7 @@ def _write(args: argparse.Namespace, windows: list[dict[str, Any]], paths: list[
     """Write the JSON so far (after every window: a run cut short by a time limit keeps what it measured)."""
     if args.out:
         result = {"args": {k: str(v) for k, v in vars(args).items() if k != "lora_push"}, "machine": machine(),
-                  "lora_push": getattr(args, "lora_push", None), "windows": windows,
+                  "lora_push": args.lora_push, "windows": windows,
                   "summary": _summary(windows, paths)}
         args.out.write_text(json.dumps(result, indent=1))
 

@@ -573,7 +573,7 @@ class TrainerSettings(BaseModel):
         "serve it through vLLM's runtime LoRA (`--enable-lora`; one API server each, vLLM refuses more). "
         "`merged`: each version is exported with the adapter merged into the base weights and pushed as full "
         "weights (as `weight_transfer` says: a folder to reload, or in memory), to replicas started for "
-        "full weights (no LoRA kernels; `--api-server-count` allowed). Serving an adapter made 0.44-0.85x of "
+        "full weights (no LoRA kernels; `--api-server-count` allowed). Serving an adapter made 0.40-0.85x of "
         "the tokens/s of the same layout serving plain weights on an H100 (docs/gpu-results.md); a merged push "
         "writes the whole model each version.",
     )
@@ -648,8 +648,8 @@ class TrainerSettings(BaseModel):
     )
     weight_transfer: Literal["disk", "ipc", "shm"] = Field(
         default="disk",
-        description="How a full-weight push (`lora_rank = 0`, or LoRA with `lora_serve = merged`) reaches replicas. `disk`: the trainer exports an HF "
-        "folder and each replica re-reads it (`reload_weights`; the folder's path must be readable there). "
+        description="How a full-weight push (`lora_rank = 0`, or LoRA with `lora_serve = merged`) reaches "
+        "replicas. `disk`: the trainer exports an HF folder and each replica re-reads it (`reload_weights`; the folder's path must be readable there). "
         "In memory, through vLLM's weight-transfer engine (replicas started with `--weight-transfer-config`), "
         "no folder written: `ipc` hands CUDA IPC handles of the trainer's tensors to replicas on the trainer's "
         "GPUs (backend `ipc`, and `VLLM_ALLOW_INSECURE_SERIALIZATION=1` on the replica); `shm` one host "

@@ -148,8 +148,8 @@ class PolicyVersionRow:
     path: str
 
 
-def _policy_row(settings: Settings, step: int, policy_dir: Path, base_name: str, is_lora: bool) -> PolicyVersionRow:
-    if is_lora:
+def _policy_row(settings: Settings, step: int, policy_dir: Path, base_name: str, adapter: bool) -> PolicyVersionRow:
+    if adapter:
         return PolicyVersionRow(step, lora_name(step), base_name, "lora", str(policy_dir))
     return PolicyVersionRow(step, base_name, base_name, "full", str(policy_dir))
 
