@@ -16,6 +16,8 @@ from typing import Any
 
 import pytest
 
+from shared.settings import TrainerSettings
+
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 EXAMPLE_ENV = ROOT / ".env.example"
@@ -122,7 +124,7 @@ def test_one_gpu_layout_shares_the_gpu_with_explicit_fractions() -> None:
     for name in ("vllm-0", "vllm-1"):
         command = services[name]["command"]
         assert command[command.index("--gpu-memory-utilization") + 1] == "0.30"
-        assert {"--enable-lora", "--enable-auto-tool-choice", "--tool-call-parser"} <= set(command)
+        assert {"--enable-auto-tool-choice", "--tool-call-parser"} <= set(command)
         assert services[name]["ipc"] == "host"
     gpus = {name: services[name]["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"]
             for name in ("vllm-0", "vllm-1", "trainer")}
@@ -137,6 +139,32 @@ def test_one_gpu_layout_shares_the_gpu_with_explicit_fractions() -> None:
     # on a GPU of its own it need not wait.
     assert services["vllm-1"]["depends_on"]["vllm-0"]["condition"] == "service_healthy"
     assert "vllm-0" not in several["vllm-1"]["depends_on"]
+
+
+def test_gpu_replicas_take_merged_full_weights_on_several_api_servers() -> None:
+    # The GPU layouts serve what `lora_serve = merged` pushes: full weights reloaded through the
+    # dev-mode routes, several API servers per engine (vLLM refuses runtime LoRA with several).
+    import tomllib
+
+    for layout in ([], LAYOUTS["several GPUs"][0], LAYOUTS["scaled proxies"][0]):
+        services = _config(layout)["services"]
+        for name in ("vllm-0", "vllm-1"):
+            command, env = services[name]["command"], services[name]["environment"]
+            assert "--enable-lora" not in command
+            assert command[command.index("--api-server-count") + 1] == "4"
+            assert env["VLLM_SERVER_DEV_MODE"] == "1" and "VLLM_ALLOW_RUNTIME_LORA_UPDATING" not in env
+            assert "policies:/shared/policies:ro" in [f"{v['source']}:{v['target']}:ro" for v in
+                                                      services[name]["volumes"] if v.get("read_only")]
+        for proxy in {"proxy", "proxy-2"} & set(services):
+            assert services[proxy]["environment"]["ROLLTAP_PROXY__POOL__WEIGHT_MODE"] == "full"
+    trainer = tomllib.loads((ROOT / "deploy" / "trainer.toml").read_text())["trainer"]
+    settings = TrainerSettings(**trainer)
+    assert settings.lora_rank > 0 and settings.lora_serve == "merged" and settings.weight_transfer == "disk"
+    assert settings.run_dir == "/shared/policies"  # what the replicas mount
+    # The CPU profile keeps runtime LoRA (one API server each): the adapters the compose test pushes.
+    cpu = _config(LAYOUTS["cpu"][0])["services"]
+    assert "--enable-lora" in cpu["vllm-cpu-0"]["command"]
+    assert cpu["proxy-cpu"]["environment"]["ROLLTAP_PROXY__POOL__WEIGHT_MODE"] == "lora"
 
 
 def test_lifecycle_settings() -> None:
