@@ -176,26 +176,36 @@ def test_full_push_changes_greedy_output_and_stamps_records(full_replica: VllmRe
     assert [c["policy_version"] for c in (call0, call1, call2)] == [0, 1, 2]
 
 
+class _ShmStaging:
+    """The trainer's side of in-memory pushes of a folder's weights, each staged in a shared-memory segment."""
+
+    def __init__(self, folder: Path) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32)
+        self.staged: list[transfer.StagedWeights] = []
+
+    def stage(self) -> dict[str, Any]:
+        self.staged.append(transfer.stage(self.model.named_parameters(), "shm"))
+        assert self.staged[-1].update_info is not None
+        return self.staged[-1].update_info
+
+    def release(self) -> None:
+        self.staged[-1].release()
+
+
 @pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
 def test_full_push_in_memory_matches_a_reload_and_frees_its_segment(full_replica: VllmReplica, tiny_model_dir: Path,
                                                                    proxy_for: ProxyFactory, tmp_path: Path) -> None:
-    from transformers import AutoModelForCausalLM
-
     new_weights = _perturbed_model(tiny_model_dir, tmp_path / "full-v1")
-    model = AutoModelForCausalLM.from_pretrained(new_weights, torch_dtype=torch.float32)
-    staged: list[transfer.StagedWeights] = []
-
-    def stage() -> dict[str, Any]:
-        staged.append(transfer.stage(model.named_parameters(), "shm"))
-        assert staged[-1].update_info is not None
-        return staged[-1].update_info
+    staging = _ShmStaging(new_weights)
 
     settings = TrainerSettings(model=str(tiny_model_dir), lora_rank=0, weight_transfer="shm", mini_batch_size=4,
                                micro_batch_size=2)
     with proxy_for([full_replica.url], pool={"weight_mode": "full"}) as proxy, \
             WeightPusher(proxy.url, "t") as pusher:
         before, _ = _greedy(proxy.url, "mem-0")
-        result = pusher.push_full_in_memory(1, served_name="tiny", stage=stage, release=lambda: staged[-1].release())
+        result = pusher.push_full_in_memory(1, served_name="tiny", stage=staging.stage, release=staging.release)
         in_memory, call1 = _greedy(proxy.url, "mem-1")
         pusher.push_full(2, new_weights, served_name="tiny")
         from_disk, _ = _greedy(proxy.url, "mem-2")
@@ -205,6 +215,7 @@ def test_full_push_in_memory_matches_a_reload_and_frees_its_segment(full_replica
                                                          stage=lambda: updater.stage_weights("shm"),
                                                          release=updater.release_weights)
         restored, call3 = _greedy(proxy.url, "mem-3")
+    staged = staging.staged
     segment = staged[0].update_info["segment"] if staged[0].update_info else ""
     assert result.pushed == restored_result.pushed == [full_replica.url] and not result.drained
     assert in_memory != before and in_memory == from_disk  # the same numbers as the folder gives
@@ -352,16 +363,8 @@ def test_a_full_push_reaches_every_api_server_of_a_replica(api_servers_replica: 
     # Several API servers share one engine: a push through any of them (the proxy drives one) must
     # change what all of them serve. Greedy calls spread over both after each push, from a folder and
     # in memory, all answer with the pushed weights.
-    from transformers import AutoModelForCausalLM
-
     new_weights = _perturbed_model(tiny_model_dir, tmp_path / "full-v1")
-    model = AutoModelForCausalLM.from_pretrained(new_weights, torch_dtype=torch.float32)
-    staged: list[transfer.StagedWeights] = []
-
-    def stage() -> dict[str, Any]:
-        staged.append(transfer.stage(model.named_parameters(), "shm"))
-        assert staged[-1].update_info is not None
-        return staged[-1].update_info
+    staging = _ShmStaging(new_weights)
 
     log = api_servers_replica.log_path
     rounds: dict[str, tuple[set[str], set[str], set[int]]] = {}
@@ -384,7 +387,7 @@ def test_a_full_push_reaches_every_api_server_of_a_replica(api_servers_replica: 
         spread("disk")
         pusher.push_full(2, tiny_model_dir, served_name="tiny")
         spread("restored")
-        memory = pusher.push_full_in_memory(3, served_name="tiny", stage=stage, release=lambda: staged[-1].release())
+        memory = pusher.push_full_in_memory(3, served_name="tiny", stage=staging.stage, release=staging.release)
         spread("memory")
         pusher.push_full(4, tiny_model_dir, served_name="tiny")  # the module's replica back to the base model
     assert disk.pushed == memory.pushed == [api_servers_replica.url] and not disk.drained
