@@ -38,6 +38,10 @@ paths'. E.g. one server with 4 API servers against 3 servers behind the proxy:
 
     --server a=1x4 --server c=3 --paths direct@a,direct@c,proxy_on@c,proxy_on@c:1
 
+`--group-arg NAME=ARG` gives one group's servers a vLLM argument of their own (a KV cache sized
+for its share of the streams, `--stream-interval`), so two groups differing only in it are
+measured in the same rounds.
+
 Serving a pushed policy, as Rolltap's default (`trainer.lora_rank = 8`) serves every call after the
 first push: `--lora-group NAME` starts that group with runtime LoRA; once its proxies are up, random
 rank-`--lora-rank` adapters are pushed through the first of them (`--pushes` versions, each timed) and
@@ -307,6 +311,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lora-model-dir", default=None, help="with --replica and --lora-group: the served "
                         "model's folder (the adapters' shapes)")
     parser.add_argument("--lora-db", default=None, help="database URL for the LoRA group's proxies (default --db)")
+    parser.add_argument("--group-arg", action="append", default=[], metavar="NAME=ARG",
+                        help="a vLLM argument for group NAME's servers only, after --replica-arg (the last wins), "
+                        "e.g. a=--kv-cache-memory=11000000000 or s=--stream-interval=8; repeatable")
     parser.add_argument("--logs", type=Path, default=Path("/tmp/rolltap-throughput"))
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
@@ -323,10 +330,16 @@ def main(argv: list[str] | None = None) -> int:
     from tools.replica import VllmReplica
 
     groups = dict(_server_spec(spec) for spec in args.server) or {"": (args.replicas, 1)}
+    group_args: dict[str, list[str]] = {}
+    for entry in args.group_arg:
+        name, _, arg = entry.partition("=")
+        if name not in groups or not arg:
+            parser.error(f"--group-arg {entry}: NAME=ARG for a --server group")
+        group_args.setdefault(name, []).append(arg)
     replicas: list[VllmReplica] = []
     args.groups = {}
     for name, (count, api) in groups.items():
-        extra = list(args.replica_arg)
+        extra = [*args.replica_arg, *group_args.get(name, [])]
         lora = name == args.lora_group
         if lora and api > 1:  # vLLM refuses runtime LoRA with several API servers
             parser.error(f"--lora-group {name}: its servers take one API server each")

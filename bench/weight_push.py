@@ -2,6 +2,7 @@
 
     python -m bench.weight_push [--shape tiny|qwen2.5-1.5b|llama3-8b|smollm2-135m] [--backend ipc|shm]
                                 [--repeat 3] [--lora-ranks 16,64] [--lora-transports path,bytes] [--out JSON]
+                                [--servers N] [--api-servers A] [--merge-rank R] [--methods memory,disk]
 
 Full weights, each round on freshly changed weights, both ways in turn, to one replica started
 for both (`--weight-transfer-config`, dev mode):
@@ -10,8 +11,15 @@ for both (`--weight-transfer-config`, dev mode):
   `WeightPusher.push_full_in_memory`;
 - disk: the same weights written as a Hugging Face folder (`save_pretrained`, what the trainer's
   export does) and `WeightPusher.push_full` (`reload_weights`).
-After each push a greedy completion through the proxy is kept: the two methods must give the same
-answer each round (the same numbers arrived), and different answers from round to round.
+After each push, greedy completions through the proxy in waves until every front end has answered
+one (each of `--servers` servers behind the proxy, and each of its `--api-servers` API server
+processes, read from the server's access log): they must all give one answer, the two methods the
+same answer each round (the same numbers arrived), and different answers from round to round.
+
+`--merge-rank R` pushes what `trainer.lora_serve = merged` pushes: each round a fresh random
+rank-R adapter on every linear layer (PEFT, as the trainer trains one), merged into the base
+weights by the trainer's own `trainer.transfer.merged_parameters` while they are staged; in memory
+only (`--methods memory`).
 
 LoRA (with `--lora-ranks`): a second replica with runtime LoRA behind its own proxy; per rank and
 transport, three versions of a random adapter of that rank on every linear layer, each pushed
@@ -33,9 +41,11 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import re
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -44,13 +54,17 @@ import torch
 
 from bench import shapes
 from bench.harness import REPO_ROOT, free_port, machine, stop_process, wait_ready
-from bench.lora_push import random_adapter
+from bench.lora_push import LORA_TARGETS, random_adapter
 from tools.replica import VllmReplica
 from trainer import transfer
 from trainer.weights import WeightPusher
 
 TOKEN = "bench-admin-token"
 ADAPTER_TOKEN = "bench-adapter-token"
+# Greedy calls a wave sends at once: enough open connections that each API server of a server
+# accepts some (the kernel hands a server's connections to its API server processes).
+WAVE_CALLS = 32
+MAX_WAVES = 10
 
 
 def _model_dir(shape: str, out: Path) -> Path:
@@ -72,13 +86,14 @@ def _random_model(model_dir: Path, device: str, dtype: torch.dtype) -> Any:
 
 
 @contextmanager
-def _proxy(replica: str, mode: str, logs: Path, port: int | None = None) -> Iterator[str]:
+def _proxy(replicas: list[str], mode: str, logs: Path, port: int | None = None) -> Iterator[str]:
     port = port or free_port()
     env = {**os.environ, "ROLLTAP_PROXY__ADMIN_TOKEN": TOKEN, "ROLLTAP_PROXY__ADAPTER_TOKEN": ADAPTER_TOKEN,
            "ROLLTAP_PROXY__OPEN_ACCESS": "true", "ROLLTAP_PROXY__POOL__WEIGHT_MODE": mode,
            "ROLLTAP_PROXY__LOG_LEVEL": "warning", "ROLLTAP_PROXY__RECORDER__SPOOL_DIR": str(logs / f"spool-{mode}")}
     log = open(logs / f"proxy-{mode}.log", "wb")  # noqa: SIM115
-    proc = subprocess.Popen([sys.executable, "-m", "proxy.main", "--port", str(port), "--replica", replica,
+    flags = [arg for url in replicas for arg in ("--replica", url)]
+    proc = subprocess.Popen([sys.executable, "-m", "proxy.main", "--port", str(port), *flags,
                              "--db", f"sqlite:///{logs / f'proxy-{mode}.db'}"], env=env, cwd=REPO_ROOT,
                             stdout=log, stderr=log)
     try:
@@ -100,10 +115,26 @@ def _greedy(proxy: str, rollout: str, model: str = "x") -> tuple[list[int], floa
 
 
 def _perturb(model: Any, seed: int) -> None:
+    """New weights: noise on every parameter, or (a PEFT model) a new random adapter."""
     torch.manual_seed(seed)
     with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p), alpha=0.02)
+        for name, p in model.named_parameters():
+            if not hasattr(model, "peft_config"):
+                p.add_(torch.randn_like(p), alpha=0.02)
+            elif "lora_" in name:
+                p.normal_(0.0, 0.05)  # B @ A then moves a weight by ~0.01: greedy answers change
+
+
+def _with_adapter(model: Any, rank: int) -> Any:
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=LORA_TARGETS, lora_dropout=0.0)
+    return get_peft_model(model, config)
+
+
+def _replica_weights(model: Any) -> Iterable[tuple[str, torch.Tensor]]:
+    """What a replica loads: the parameters, or a PEFT model's merged as the trainer merges them."""
+    return transfer.merged_parameters(model) if hasattr(model, "peft_config") else model.named_parameters()
 
 
 class _Staging:
@@ -114,7 +145,7 @@ class _Staging:
         self._staged: transfer.StagedWeights | None = None
 
     def stage(self) -> dict[str, Any]:
-        self._staged = transfer.stage(self._model.named_parameters(), self._backend)
+        self._staged = transfer.stage(_replica_weights(self._model), self._backend)
         assert self._staged.update_info is not None
         return self._staged.update_info
 
@@ -130,45 +161,106 @@ def _replica_args(args: argparse.Namespace, device: str, dummy: bool) -> list[st
     return extra + list(args.replica_arg)
 
 
+class _FrontEnds:
+    """Which front ends (server, API server process) answered completions, from the servers' logs."""
+
+    def __init__(self, replicas: list[VllmReplica], api_servers: int) -> None:
+        self._replicas = replicas
+        self.expected = {(i, f"ApiServer_{k}" if api_servers > 1 else "server")
+                         for i in range(len(replicas)) for k in range(api_servers)}
+        self._pattern = re.compile(r"\((ApiServer_\d+) pid=\d+\).*\"POST /v1/completions HTTP" if api_servers > 1
+                                   else r"()\"POST /v1/completions HTTP")
+        self._offsets: list[int] = []
+
+    def mark(self) -> None:
+        self._offsets = [r.log_path.stat().st_size for r in self._replicas]
+
+    def served(self) -> set[tuple[int, str]]:
+        found: set[tuple[int, str]] = set()
+        for i, (replica, offset) in enumerate(zip(self._replicas, self._offsets, strict=True)):
+            text = replica.log_path.read_bytes()[offset:].decode(errors="replace")
+            found |= {(i, name or "server") for name in self._pattern.findall(text)}
+        return found
+
+
+def _spread(proxy: str, fronts: _FrontEnds, name: str, pool: ThreadPoolExecutor) -> dict[str, Any]:
+    """Greedy calls through the proxy in waves until every front end answered one (or `MAX_WAVES`)."""
+    fronts.mark()
+    answers: set[tuple[int, ...]] = set()
+    calls = 0
+    for wave in range(MAX_WAVES):
+        got = [answer for answer, _ in pool.map(_greedy, [proxy] * WAVE_CALLS,
+                                                 [f"{name}-{wave}-{i}" for i in range(WAVE_CALLS)])]
+        answers |= {tuple(a) for a in got}
+        calls += len(got)
+        if fronts.served() >= fronts.expected:
+            break
+    served = fronts.served()
+    return {"answer": sorted(answers)[0], "answers": len(answers), "calls": calls,
+            "front_ends": len(served & fronts.expected), "of_front_ends": len(fronts.expected)}
+
+
 def _full_rounds(args: argparse.Namespace, model_dir: Path, work: Path, device: str, dtype: str) -> dict[str, Any]:
     backend = "ipc" if args.backend == "ipc" else "rolltap_shm"
     env = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"} if args.backend == "ipc" else {}
+    methods = args.methods.split(",")
     # A replica that started from dummy weights cannot reload from disk (vLLM refuses): the shape's random
     # weights are written first and the replica reads them at start.
     model = _random_model(model_dir, device, getattr(torch, dtype))
     if args.shape != "tiny":
         model.save_pretrained(model_dir, safe_serialization=True)
-    replica = VllmReplica(model_dir, served_model_name="x", dev_mode=True, dtype=dtype, max_model_len=256,
-                          extra_env=env, log_path=work / "replica-full.log",
-                          extra_args=["--weight-transfer-config", json.dumps({"backend": backend}),
-                                      *_replica_args(args, device, dummy=False)])
+    if args.merge_rank:
+        model = _with_adapter(model, args.merge_rank)
+    replicas = [VllmReplica(model_dir, served_model_name="x", dev_mode=True, dtype=dtype, max_model_len=256,
+                            extra_env=env, log_path=work / f"replica-full-{i}.log", api_servers=args.api_servers,
+                            extra_args=["--weight-transfer-config", json.dumps({"backend": backend}),
+                                        *_replica_args(args, device, dummy=False)])
+                for i in range(args.servers)]
+    fronts = _FrontEnds(replicas, args.api_servers)
     rounds: list[dict[str, Any]] = []
-    with replica, _proxy(replica.url, "full", work) as proxy, WeightPusher(proxy, TOKEN, timeout_s=900) as pusher:
-        size = sum(p.numel() * p.element_size() for p in model.parameters())
-        print(f"full weights: {size / 2**30:.2f} GiB in {dtype} on {device}", flush=True)
+    with ExitStack() as stack:
+        for replica in replicas:  # one after another: vLLM's memory profiling breaks when they start together
+            stack.enter_context(replica)
+        proxy = stack.enter_context(_proxy([r.url for r in replicas], "full", work))
+        pusher = stack.enter_context(WeightPusher(proxy, TOKEN, timeout_s=900))
+        pool = stack.enter_context(ThreadPoolExecutor(WAVE_CALLS))
+        size = sum(t.numel() * t.element_size() for _, t in _replica_weights(model))
+        print(f"full weights: {size / 2**30:.2f} GiB in {dtype} on {device}, {args.servers} server(s) of "
+              f"{args.api_servers} API server(s)", flush=True)
+        base = _spread(proxy, fronts, "base", pool)
         version = 0
         for r in range(args.repeat):
             _perturb(model, r)
-            staging = _Staging(model, args.backend)
-            version += 1
-            mem = pusher.push_full_in_memory(version, served_name="x", stage=staging.stage, release=staging.release)
-            mem_answer, _ = _greedy(proxy, f"mem-{r}")
-            folder = work / "weights"
-            t = time.perf_counter()
-            model.save_pretrained(folder, safe_serialization=True)
-            export_s = time.perf_counter() - t
-            version += 1
-            disk = pusher.push_full(version, folder, served_name="x")
-            disk_answer, _ = _greedy(proxy, f"disk-{r}")
-            row = {"round": r, "in_memory_s": round(mem.seconds, 3), "staged_s": round(mem.staged_s, 3),
-                   "disk_export_s": round(export_s, 3), "disk_reload_s": round(disk.seconds, 3),
-                   "disk_total_s": round(export_s + disk.seconds, 3), "same_answer": mem_answer == disk_answer,
-                   "answer": mem_answer}
+            row: dict[str, Any] = {"round": r}
+            said: list[str] = []
+            if "memory" in methods:
+                staging = _Staging(model, args.backend)
+                version += 1
+                mem = pusher.push_full_in_memory(version, served_name="x", stage=staging.stage,
+                                                 release=staging.release)
+                row |= {"in_memory_s": round(mem.seconds, 3), "staged_s": round(mem.staged_s, 3),
+                        "memory": _spread(proxy, fronts, f"mem-{r}", pool)}
+                said.append(f"in memory ({args.backend}) {mem.seconds:.2f}s (staging {mem.staged_s:.2f}s)")
+            if "disk" in methods:
+                folder = work / "weights"
+                t = time.perf_counter()
+                model.save_pretrained(folder, safe_serialization=True)
+                export_s = time.perf_counter() - t
+                version += 1
+                disk = pusher.push_full(version, folder, served_name="x")
+                row |= {"disk_export_s": round(export_s, 3), "disk_reload_s": round(disk.seconds, 3),
+                        "disk_total_s": round(export_s + disk.seconds, 3),
+                        "disk": _spread(proxy, fronts, f"disk-{r}", pool)}
+                said.append(f"disk {export_s + disk.seconds:.2f}s (export {export_s:.2f}s, reload {disk.seconds:.2f}s)")
+            checks = [row[m] for m in methods]
+            row |= {"answer": checks[0]["answer"], "same_answer": len({tuple(c["answer"]) for c in checks}) == 1,
+                    "every_front_end_agrees": all(c["answers"] == 1 and c["front_ends"] == c["of_front_ends"]
+                                                  for c in checks)}
             rounds.append(row)
-            print(f"round {r}: in memory ({args.backend}) {mem.seconds:.2f}s (staging {mem.staged_s:.2f}s); disk "
-                  f"{export_s + disk.seconds:.2f}s (export {export_s:.2f}s, reload {disk.seconds:.2f}s); "
-                  f"same answer: {row['same_answer']}", flush=True)
-    return {"bytes": size, "rounds": rounds}
+            print(f"round {r}: {'; '.join(said)}; same answer: {row['same_answer']}; every front end "
+                  f"({checks[0]['of_front_ends']}) agrees: {row['every_front_end_agrees']}", flush=True)
+    return {"bytes": size, "servers": args.servers, "api_servers": args.api_servers, "merge_rank": args.merge_rank,
+            "base": base, "rounds": rounds}
 
 
 def _lora_rounds(args: argparse.Namespace, model_dir: Path, work: Path, device: str, dtype: str) -> list[dict[str, Any]]:
@@ -182,7 +274,7 @@ def _lora_rounds(args: argparse.Namespace, model_dir: Path, work: Path, device: 
                                       "--max-lora-rank", str(max(ranks))])
     rows: list[dict[str, Any]] = []
     # The replica's plugin fetches adapters from the proxy on the port it was told at its start.
-    with replica, _proxy(replica.url, "lora", work, port) as proxy:
+    with replica, _proxy([replica.url], "lora", work, port) as proxy:
         version = 0
         for transport in args.lora_transports.split(","):
             with WeightPusher(proxy, TOKEN, timeout_s=900, lora_transport=transport) as pusher:
@@ -220,12 +312,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lora-ranks", default="", help="LoRA ranks to push, e.g. 16,64 (empty: no LoRA replica)")
     parser.add_argument("--lora-transports", default="path,bytes")
     parser.add_argument("--kv-bytes", type=int, default=4_000_000_000, help="each GPU replica's KV cache")
+    parser.add_argument("--servers", type=int, default=1, help="full-weight servers behind the proxy")
+    parser.add_argument("--api-servers", type=int, default=1, help="API server processes per full-weight server")
+    parser.add_argument("--merge-rank", type=int, default=0,
+                        help="push a random LoRA adapter of this rank merged into the weights (lora_serve = merged)")
+    parser.add_argument("--methods", default="memory,disk", help="full-weight pushes: memory, disk or both")
     parser.add_argument("--replica-arg", action="append", default=[], metavar="ARG", help="extra vLLM argument")
     parser.add_argument("--work", type=Path, default=None, help="folder for models, logs, adapters (default: temp)")
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)
     if set(args.lora_transports.split(",")) - {"path", "bytes"}:
         parser.error("--lora-transports: path, bytes or both")
+    if not args.methods or set(args.methods.split(",")) - {"memory", "disk"}:
+        parser.error("--methods: memory, disk or both")
+    if args.merge_rank and "disk" in args.methods.split(","):
+        parser.error("--merge-rank: in memory only (--methods memory)")
     cuda = torch.cuda.is_available()
     args.backend = args.backend or ("ipc" if cuda else "shm")
     device = "cuda" if args.backend == "ipc" else "cpu"
@@ -239,20 +340,20 @@ def main(argv: list[str] | None = None) -> int:
         results["gpu"] = torch.cuda.get_device_name(0)
     full = _full_rounds(args, model_dir, work, device, dtype)
     results["full"] = full
-    answers = [tuple(r["answer"]) for r in full["rounds"]]
+    answers = [tuple(full["base"]["answer"]), *(tuple(r["answer"]) for r in full["rounds"])]
     results["full_summary"] = {
-        "in_memory_s": _summary([r["in_memory_s"] for r in full["rounds"]]),
-        "disk_total_s": _summary([r["disk_total_s"] for r in full["rounds"]]),
-        "disk_reload_s": _summary([r["disk_reload_s"] for r in full["rounds"]]),
+        **{key: _summary([r[key] for r in full["rounds"]]) for key in ("in_memory_s", "staged_s", "disk_total_s",
+                                                                      "disk_reload_s") if key in full["rounds"][0]},
         "same_answer_every_round": all(r["same_answer"] for r in full["rounds"]),
+        "every_front_end_agrees_every_round": all(r["every_front_end_agrees"] for r in full["rounds"]),
         "answers_change_between_rounds": len(set(answers)) == len(answers)}
     _write(results, args.out)  # kept should the LoRA part not finish
     if args.lora_ranks:
         results["lora"] = _lora_rounds(args, model_dir, work, device, dtype)
         _write(results, args.out)
     print(json.dumps(results["full_summary"]), flush=True)
-    ok = results["full_summary"]["same_answer_every_round"] and results["full_summary"]["answers_change_between_rounds"]
-    return 0 if ok else 1
+    return 0 if all(results["full_summary"][key] for key in ("same_answer_every_round", "answers_change_between_rounds",
+                                                             "every_front_end_agrees_every_round")) else 1
 
 
 if __name__ == "__main__":

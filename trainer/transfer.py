@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import base64
 import pickle
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from multiprocessing import shared_memory
 from typing import Any, Literal
@@ -31,7 +31,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
-__all__ = ["Backend", "StagedWeights", "stage"]
+__all__ = ["Backend", "StagedWeights", "merged_parameters", "stage"]
 
 Backend = Literal["ipc", "shm"]
 
@@ -56,6 +56,28 @@ class StagedWeights:
             self.segment = None
         if torch.cuda.is_available():
             torch.cuda.ipc_collect()  # type: ignore[no-untyped-call]
+
+
+def merged_parameters(module: Any, whole: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
+                      ) -> Iterator[tuple[str, torch.Tensor]]:
+    """A PEFT LoRA model's base parameters by the base model's own names (what a replica loads),
+    each adapted weight with the adapter merged in: W + scaling * B @ A, as PEFT's
+    `merge_and_unload` makes it, without changing `module`. `whole` makes a parameter whole (an
+    FSDP shard gathered: a collective, so every rank walks them in the same order)."""
+    from peft.tuners.lora import LoraLayer
+
+    adapted = {name: m for name, m in module.named_modules() if isinstance(m, LoraLayer)}
+    for name, param in module.named_parameters():
+        if "lora_" in name:
+            continue
+        tensor = whole(param).detach()
+        owner, base, field_name = name.rpartition(".base_layer.")
+        if base and field_name == "weight":
+            layer: Any = adapted[owner]
+            a = whole(layer.lora_A["default"].weight).detach()
+            b = whole(layer.lora_B["default"].weight).detach()
+            tensor = tensor + (b.to(tensor.dtype) @ a.to(tensor.dtype)) * layer.scaling["default"]
+        yield name.removeprefix("base_model.model.").replace(".base_layer.", "."), tensor
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

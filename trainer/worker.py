@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from copy import deepcopy
 from pathlib import Path
 from typing import Any, TypeVar
@@ -177,30 +177,10 @@ class PolicyWorker(TrainingWorker):
         # replica serves (the checkpoint's, vLLM's `dtype auto`), half of the fp32 master weights. shm: as
         # the disk export writes them, so both pushes give a replica the same numbers.
         wire = getattr(self.model_config.hf_config, "torch_dtype", None) if backend == "ipc" else None
-        named = self._merged_parameters() if self._is_lora else (
+        named = transfer.merged_parameters(engine.module, _whole) if self._is_lora else (
             (name, _whole(p)) for name, p in engine.module.named_parameters())
         self._staged = transfer.stage(named, backend, wire if isinstance(wire, torch.dtype) else None)
         return self._staged.update_info
-
-    def _merged_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """The base model's parameters by its own names (what a replica loads), each adapted weight
-        with the adapter merged in: W + scaling * B @ A, as PEFT's `merge_and_unload` makes it. Every
-        rank walks them in the same order (each gather is a collective)."""
-        from peft.tuners.lora import LoraLayer
-
-        engine: Any = self.engine
-        adapted = {name: m for name, m in engine.module.named_modules() if isinstance(m, LoraLayer)}
-        for name, param in engine.module.named_parameters():
-            if "lora_" in name:
-                continue
-            tensor = _whole(param).detach()
-            owner, base, field = name.rpartition(".base_layer.")
-            if base and field == "weight":
-                layer: Any = adapted[owner]
-                a = _whole(layer.lora_A["default"].weight).detach()
-                b = _whole(layer.lora_B["default"].weight).detach()
-                tensor = tensor + (b.to(tensor.dtype) @ a.to(tensor.dtype)) * layer.scaling["default"]
-            yield name.removeprefix("base_model.model.").replace(".base_layer.", "."), tensor
 
     @_worker_method(_ONE_TO_ALL)
     def release_weights(self) -> None:

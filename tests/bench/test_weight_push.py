@@ -25,3 +25,20 @@ def test_both_full_weight_pushes_deliver_the_same_weights_and_adapters_travel_bo
     lora = result["lora"]
     assert {(r["transport"], r["rank"]) for r in lora} == {("path", 8), ("bytes", 8)} and len(lora) == 6
     assert all(r["push_s"] > 0 and r["bytes"] > 0 for r in lora)
+
+
+def test_a_merged_lora_version_reaches_every_api_server_of_every_server(tmp_path: Path) -> None:
+    # `trainer.lora_serve = merged` on the GPU compose layout: servers of several API servers each, a
+    # LoRA version merged into full weights by the trainer's own merge, pushed in memory through the
+    # proxy. After each push every front end (2 servers x 2 API server processes) answers, all alike.
+    out = tmp_path / "result.json"
+    subprocess.run([sys.executable, "-m", "bench.weight_push", "--shape", "tiny", "--backend", "shm", "--repeat", "2",
+                    "--servers", "2", "--api-servers", "2", "--merge-rank", "4", "--methods", "memory",
+                    "--work", str(tmp_path / "work"), "--out", str(out)], check=True, timeout=900)
+    result = json.loads(out.read_text())
+    full, summary = result["full"], result["full_summary"]
+    assert (full["servers"], full["api_servers"], full["merge_rank"]) == (2, 2, 4) and "lora" not in result
+    for check in [full["base"], *(r["memory"] for r in full["rounds"])]:
+        assert (check["front_ends"], check["of_front_ends"], check["answers"]) == (4, 4, 1)
+    assert summary["every_front_end_agrees_every_round"] is True and summary["answers_change_between_rounds"] is True
+    assert all(r["in_memory_s"] > 0 for r in full["rounds"]) and "disk_total_s" not in summary
