@@ -40,6 +40,10 @@ case "${1:-}" in learn|throughput|agents|weights) MODE=$1; shift ;; esac
 STASH=${STASH:-/root/stash}; SITE=$STASH/site; PY=${PY:-python3}
 cd "$(dirname "$0")/.."
 mkdir -p "$OUT" "$SITE" "$STASH/models"
+# A run cut short (`timeout` signals this script, not the Python under it) leaves its bench and
+# vLLM servers running and holding GPU memory: on 2026-12-06 twelve left over made the next run
+# run out of it. The host is this session's alone, so nothing of an earlier run may stay.
+if pkill -f -- '-m bench\.|-m scripts\.|vllm\.entrypoints|multiprocessing\.spawn'; then sleep 5; fi
 t0=$(date +%s)
 say() { echo "[gpu-run +$(( $(date +%s) - t0 ))s] $*"; }
 
