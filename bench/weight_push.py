@@ -200,7 +200,9 @@ def _spread(proxy: str, fronts: _FrontEnds, name: str, pool: ThreadPoolExecutor)
             "front_ends": len(served & fronts.expected), "of_front_ends": len(fronts.expected)}
 
 
-def _full_rounds(args: argparse.Namespace, model_dir: Path, work: Path, device: str, dtype: str) -> dict[str, Any]:
+def _full_rounds(args: argparse.Namespace, model_dir: Path, work: Path, device: str, dtype: str,
+                 results: dict[str, Any]) -> dict[str, Any]:
+    """The full-weight rounds, written to `--out` after each (`results["full"]`): a run cut short keeps them."""
     backend = "ipc" if args.backend == "ipc" else "rolltap_shm"
     env = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"} if args.backend == "ipc" else {}
     methods = args.methods.split(",")
@@ -228,6 +230,8 @@ def _full_rounds(args: argparse.Namespace, model_dir: Path, work: Path, device: 
         print(f"full weights: {size / 2**30:.2f} GiB in {dtype} on {device}, {args.servers} server(s) of "
               f"{args.api_servers} API server(s)", flush=True)
         base = _spread(proxy, fronts, "base", pool)
+        full = results["full"] = {"bytes": size, "servers": args.servers, "api_servers": args.api_servers,
+                                  "merge_rank": args.merge_rank, "base": base, "rounds": rounds}
         version = 0
         for r in range(args.repeat):
             _perturb(model, r)
@@ -257,10 +261,10 @@ def _full_rounds(args: argparse.Namespace, model_dir: Path, work: Path, device: 
                     "every_front_end_agrees": all(c["answers"] == 1 and c["front_ends"] == c["of_front_ends"]
                                                   for c in checks)}
             rounds.append(row)
+            _write(results, args.out)
             print(f"round {r}: {'; '.join(said)}; same answer: {row['same_answer']}; every front end "
                   f"({checks[0]['of_front_ends']}) agrees: {row['every_front_end_agrees']}", flush=True)
-    return {"bytes": size, "servers": args.servers, "api_servers": args.api_servers, "merge_rank": args.merge_rank,
-            "base": base, "rounds": rounds}
+    return full
 
 
 def _lora_rounds(args: argparse.Namespace, model_dir: Path, work: Path, device: str, dtype: str) -> list[dict[str, Any]]:
@@ -338,8 +342,7 @@ def main(argv: list[str] | None = None) -> int:
                                "machine": machine()}
     if cuda:
         results["gpu"] = torch.cuda.get_device_name(0)
-    full = _full_rounds(args, model_dir, work, device, dtype)
-    results["full"] = full
+    full = _full_rounds(args, model_dir, work, device, dtype, results)
     answers = [tuple(full["base"]["answer"]), *(tuple(r["answer"]) for r in full["rounds"])]
     results["full_summary"] = {
         **{key: _summary([r[key] for r in full["rounds"]]) for key in ("in_memory_s", "staged_s", "disk_total_s",
