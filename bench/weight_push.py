@@ -37,11 +37,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
 import tempfile
-import re
 import time
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -117,9 +117,10 @@ def _greedy(proxy: str, rollout: str, model: str = "x") -> tuple[list[int], floa
 def _perturb(model: Any, seed: int) -> None:
     """New weights: noise on every parameter, or (a PEFT model) a new random adapter."""
     torch.manual_seed(seed)
+    adapter = hasattr(model, "peft_config")
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if not hasattr(model, "peft_config"):
+            if not adapter:
                 p.add_(torch.randn_like(p), alpha=0.02)
             elif "lora_" in name:
                 p.normal_(0.0, 0.05)  # B @ A then moves a weight by ~0.01: greedy answers change
@@ -226,7 +227,8 @@ def _full_rounds(args: argparse.Namespace, model_dir: Path, work: Path, device: 
         proxy = stack.enter_context(_proxy([r.url for r in replicas], "full", work))
         pusher = stack.enter_context(WeightPusher(proxy, TOKEN, timeout_s=900))
         pool = stack.enter_context(ThreadPoolExecutor(WAVE_CALLS))
-        size = sum(t.numel() * t.element_size() for _, t in _replica_weights(model))
+        # What a replica loads is the base parameters' size (a merged weight keeps its base's shape and dtype).
+        size = sum(p.numel() * p.element_size() for name, p in model.named_parameters() if "lora_" not in name)
         print(f"full weights: {size / 2**30:.2f} GiB in {dtype} on {device}, {args.servers} server(s) of "
               f"{args.api_servers} API server(s)", flush=True)
         base = _spread(proxy, fronts, "base", pool)
