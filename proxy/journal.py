@@ -18,8 +18,9 @@ third of the journal's CPU, one syscall per line). A call that must not go on be
 line is on disk (before its request goes upstream, before its end reaches the client)
 awaits the batch's future (`written`). With no running loop, lines are written at once.
 
-A file is rotated at `journal_segment_bytes` and deleted once every call it started
-is committed or spooled (`durable`). On start, `recover` claims the files of owners
+A file is rotated at `journal_segment_bytes` and deleted once every call with a line in
+it is committed or spooled (`durable`): a call's request and end lines go to whatever file
+is current then, which may be a later one than its start's. On start, `recover` claims the files of owners
 whose lock is free (their process is dead: the kernel drops a dead process's locks),
 and turns them into records: the journaled record of a call that ended, an
 `interrupted` record for a call that started and never ended. They are written
@@ -89,7 +90,9 @@ class Journal:
         self._segment = 0
         self._size = 0
         self._open_calls: dict[str, int] = {}  # call id -> the segment its start is in
-        self._segment_calls: dict[int, int] = {}  # segment -> its calls not yet durable
+        # Call id -> the later segments its request or end line went to, after a rotation (rare).
+        self._later_segments: dict[str, list[int]] = {}
+        self._segment_calls: dict[int, int] = {}  # segment -> calls not yet durable with a line in it
         self._written = 0  # writes so far, and the count the last fsync covered
         self._synced = 0
         self._pending: list[bytes] = []  # lines of the batch not yet written
@@ -247,7 +250,18 @@ class Journal:
 
     def request(self, call_id: str, payload: bytes) -> asyncio.Future[None] | None:
         """The request as sent upstream: `payload` is already JSON, spliced in without re-encoding."""
+        self._held_here(call_id)
         return self._enqueue(b'{"q":' + orjson.dumps(call_id) + b',"request":' + payload + b"}\n")
+
+    def _held_here(self, call_id: str) -> None:
+        """A line of `call_id` goes to the current segment: keep it until the call is durable."""
+        start = self._open_calls.get(call_id)
+        if start is None or start == self._segment:
+            return  # recovered or durable already, or in its start's segment (the common case)
+        later = self._later_segments.setdefault(call_id, [])
+        if self._segment not in later:
+            later.append(self._segment)
+            self._segment_calls[self._segment] += 1
 
     def ended(self, record: CallRecord) -> asyncio.Future[None] | None:
         # A shallow dict in `CallRecord.from_json`'s encoding (RFC 3339 datetimes, base64 bytes)
@@ -264,6 +278,7 @@ class Journal:
             line = dumps_exact(row)
         except ExactJsonError:  # nested too deep to write: the exact bodies carry it
             line = dumps_exact({**row, "request": None, "response": None})
+        self._held_here(record.call_id)
         return self._enqueue(b'{"e":' + line + b"}\n")
 
     async def sync(self) -> None:
@@ -288,10 +303,15 @@ class Journal:
             segment = self._open_calls.pop(record.call_id, None)
             if segment is None:
                 continue  # recovered from an earlier process, or already durable
-            left = self._segment_calls[segment] - 1
-            self._segment_calls[segment] = left
-            if left == 0 and segment != self._segment:
-                self._remove_segment(segment)
+            self._let_go(segment)
+            for later in self._later_segments.pop(record.call_id, ()):
+                self._let_go(later)
+
+    def _let_go(self, segment: int) -> None:
+        left = self._segment_calls[segment] - 1
+        self._segment_calls[segment] = left
+        if left == 0 and segment != self._segment:
+            self._remove_segment(segment)
 
     def close(self) -> None:
         """Stop journaling; the files go when nothing in them is still needed (a clean stop)."""

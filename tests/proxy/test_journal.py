@@ -130,3 +130,63 @@ def test_lines_of_one_loop_turn_share_one_write_and_a_cancelled_waiter_leaves_th
     assert segment.read_bytes().count(b"\n") == 50  # the cancelled call's line is written too
     journal.durable([_record(f"call-{i}") for i in range(50)])
     journal.close()
+
+
+def test_a_segment_holding_a_later_line_of_a_call_not_yet_durable_is_kept(tmp_path: Path) -> None:
+    """A call's request and end lines land in whatever segment is current then: a segment whose own
+    calls are all durable still holds them, and must stay until that call is durable too."""
+    journal = Journal(tmp_path, segment_bytes=4096)
+    journal.open()
+    long = _record("call-long")
+    journal.started(long.call_id, "r", "a", "chat/completions", long.started_at, 0)
+    others: list[CallRecord] = []
+
+    def rotate() -> None:  # calls that start and end until a new segment is opened
+        count = len(list(tmp_path.glob("*.jsonl")))
+        while len(list(tmp_path.glob("*.jsonl"))) == count:
+            record = _record(f"call-{len(others)}")
+            journal.started(record.call_id, "r", "a", "chat/completions", record.started_at, len(others) + 1)
+            journal.ended(record)
+            others.append(record)
+
+    rotate()
+    journal.request(long.call_id, b'{"messages":[],"stream":false}')  # in the second segment
+    rotate()
+    journal.ended(long)  # in the third
+    rotate()
+    journal.durable(others)  # every call but the long one is in the database
+    journal.close()  # dies before it is: its lines are what the next start recovers
+
+    recovery = recover(tmp_path)
+    # The first segment is kept for the long call's start; the durable calls in it come back too,
+    # and recovery writes them idempotently (by call id).
+    (found,) = [r for r in recovery.records if r.call_id == long.call_id]
+    assert found.status == "ok" and recovery.interrupted == 0
+    recovery.release()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_interrupted_call_keeps_its_request_line_from_a_later_segment(tmp_path: Path) -> None:
+    journal = Journal(tmp_path, segment_bytes=4096)
+    journal.open()
+    journal.started("call-cut", "r", "a", "chat/completions", datetime.now(UTC), 0)
+    others: list[CallRecord] = []
+    while len(list(tmp_path.glob("*.jsonl"))) < 2:
+        record = _record(f"call-{len(others)}")
+        journal.started(record.call_id, "r", "a", "chat/completions", record.started_at, len(others) + 1)
+        journal.ended(record)
+        others.append(record)
+    journal.request("call-cut", b'{"messages":[],"stream":true}')
+    while len(list(tmp_path.glob("*.jsonl"))) < 3:
+        record = _record(f"call-{len(others)}")
+        journal.started(record.call_id, "r", "a", "chat/completions", record.started_at, len(others) + 1)
+        journal.ended(record)
+        others.append(record)
+    journal.durable(others)
+    journal.close()
+
+    recovery = recover(tmp_path)
+    (cut,) = [r for r in recovery.records if r.call_id == "call-cut"]
+    assert cut.status == CallStatus.INTERRUPTED and recovery.interrupted == 1
+    assert cut.request == {"messages": [], "stream": True} and cut.is_streaming
+    recovery.release()
