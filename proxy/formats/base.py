@@ -12,6 +12,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import orjson
+
 from shared.verbatim import ExactJsonError, loads_exact
 
 __all__ = ["Extract", "Format", "Json", "KeptEvents", "TailAssembly", "loads", "parse_events", "usage_of"]
@@ -79,18 +81,24 @@ class Format(ABC):
         """A fresh assembly for a `StreamTail`, keeping only what `extract` reads of each event."""
 
 
-def loads(data: str) -> Any:
-    """The JSON value of `data`, or None when it is not JSON."""
+def loads(data: bytes | str) -> Any:
+    """The JSON value of `data`, or None when it is not JSON. Bytes that are not UTF-8 are read as
+    their text with U+FFFD for each bad byte, as a client decoding the stream would see them."""
+    if isinstance(data, bytes):
+        try:
+            return orjson.loads(data)  # the common case; orjson refuses all that is not UTF-8
+        except orjson.JSONDecodeError:
+            data = data.decode("utf-8", "replace")
     try:
         return loads_exact(data)  # lone surrogate escapes too: a model can emit them
     except ExactJsonError:
         return None
 
 
-def parse_events(data: Iterable[str]) -> list[Json]:
+def parse_events(data: Iterable[bytes]) -> list[Json]:
     """The JSON objects of a stream's `data:` payloads (`proxy.sse`), in order; `[DONE]` and
     anything else that is not a JSON object are skipped."""
-    events = (loads(e) for e in data if e != "[DONE]")
+    events = (loads(e) for e in data if e != b"[DONE]")
     return [event for event in events if isinstance(event, dict)]
 
 

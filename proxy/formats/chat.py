@@ -8,7 +8,7 @@ choice and `prompt_token_ids` to the response on request (`return_token_ids`).
 from __future__ import annotations
 
 from proxy.formats.base import Json
-from proxy.formats.openai import OpenAIFormat
+from proxy.formats.openai import OpenAIFormat, Pieces, append_text, joined_text
 from shared.types import Route
 
 __all__ = ["Chat"]
@@ -27,11 +27,27 @@ class Chat(OpenAIFormat):
                 "finish_reason": None, "token_ids": []}
 
     def merge_content(self, choice: Json, part: Json) -> None:
-        _merge_delta(choice["message"], part.get("delta") or {})
+        delta = part.get("delta")
+        if delta and type(delta) is dict:
+            _merge_delta(choice["message"], delta)
         logprobs = part.get("logprobs")
-        if logprobs and logprobs.get("content"):
-            choice["logprobs"] = choice["logprobs"] or {"content": []}
-            choice["logprobs"]["content"].extend(logprobs["content"])
+        if logprobs and type(logprobs) is dict:
+            content = logprobs.get("content")
+            if content and type(content) is list:
+                if choice["logprobs"] is None:
+                    choice["logprobs"] = {"content": []}
+                choice["logprobs"]["content"].extend(content)
+
+    def joined(self, choice: Json) -> Json:
+        message = choice["message"]
+        calls = message.get("tool_calls")
+        if not any(type(value) is Pieces for value in message.values()) and not calls:
+            return choice
+        message = {key: joined_text(value) for key, value in message.items()}
+        if calls:
+            message["tool_calls"] = [{**call, "function": {key: joined_text(value) for key, value in call["function"].items()}}
+                                     for call in calls]
+        return {**choice, "message": message}
 
     def _logprobs(self, logprobs: Json) -> list[float | None] | None:
         content = logprobs.get("content")
@@ -44,22 +60,32 @@ class Chat(OpenAIFormat):
         return {"content": [{"logprob": e.get("logprob") if isinstance(e, dict) else None} for e in content]}
 
 
+_TEXT_KEYS = ("content", "reasoning_content", "reasoning", "refusal")
+
+
 def _merge_delta(message: Json, delta: Json) -> None:
-    for key in ("content", "reasoning_content", "reasoning", "refusal"):
-        if delta.get(key):
-            message[key] = (message.get(key) or "") + delta[key]
+    for key in _TEXT_KEYS:
+        piece = delta.get(key)
+        if piece:
+            append_text(message, key, piece)
     if delta.get("role"):
         message["role"] = delta["role"]
-    for call in delta.get("tool_calls") or ():
-        calls = message.setdefault("tool_calls", [])
-        index = call.get("index", len(calls))
-        while len(calls) <= index:
-            calls.append({"id": None, "type": "function", "function": {"name": "", "arguments": ""}})
-        target = calls[index]
+    calls = delta.get("tool_calls")
+    if not calls or type(calls) is not list:
+        return
+    for call in calls:
+        if type(call) is not dict:
+            continue
+        merged = message.setdefault("tool_calls", [])
+        index = call.get("index", len(merged))
+        if type(index) is not int or not 0 <= index < len(merged) + 1024:
+            index = len(merged)  # not an index, or one that would make the record hold a thousand empty calls
+        while len(merged) <= index:
+            merged.append({"id": None, "type": "function", "function": {"name": "", "arguments": ""}})
+        target = merged[index]
         if call.get("id"):
             target["id"] = call["id"]
-        function = call.get("function") or {}
-        if function.get("name"):
-            target["function"]["name"] += function["name"]
-        if function.get("arguments"):
-            target["function"]["arguments"] += function["arguments"]
+        function = call.get("function")
+        if function and type(function) is dict:
+            append_text(target["function"], "name", function.get("name"))
+            append_text(target["function"], "arguments", function.get("arguments"))

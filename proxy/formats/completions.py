@@ -9,7 +9,7 @@ several choices as `n` does.
 from __future__ import annotations
 
 from proxy.formats.base import Json
-from proxy.formats.openai import OpenAIFormat
+from proxy.formats.openai import OpenAIFormat, Pieces, append_text, joined_text
 from shared.types import Route
 
 __all__ = ["Completions"]
@@ -30,13 +30,16 @@ class Completions(OpenAIFormat):
         return {"index": index, "text": "", "logprobs": None, "finish_reason": None, "token_ids": []}
 
     def merge_content(self, choice: Json, part: Json) -> None:
-        choice["text"] += part.get("text") or ""
+        append_text(choice, "text", part.get("text"))
         logprobs = part.get("logprobs")
-        if logprobs:
+        if logprobs and type(logprobs) is dict:
             merged = choice["logprobs"] or {key: [] for key in _LOGPROB_LISTS}
             for key in _LOGPROB_LISTS:
                 merged[key].extend(logprobs.get(key) or [])
             choice["logprobs"] = merged
+
+    def joined(self, choice: Json) -> Json:
+        return {**choice, "text": joined_text(choice["text"])} if type(choice["text"]) is Pieces else choice
 
     def _logprobs(self, logprobs: Json) -> list[float | None] | None:
         values = logprobs.get("token_logprobs")

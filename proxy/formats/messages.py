@@ -26,25 +26,33 @@ class Messages(Format):
 
     def assemble(self, events: list[Json]) -> Json:
         out: Json = {"type": "message", "role": "assistant", "content": []}
+        content = out["content"]
+        # The last block's streamed text, in pieces: joined once it is done (concatenating piece by
+        # piece copies the text so far for every token).
+        pieces: dict[str, list[str]] = {}
         for event in events:
             kind = event.get("type")
             if kind == "message_start":
                 out.update({k: v for k, v in (event.get("message") or {}).items() if k != "content"})
             elif kind == "content_block_start":
-                out["content"].append(dict(event.get("content_block") or {}))
-            elif kind == "content_block_delta" and out["content"]:
-                block, delta = out["content"][-1], event.get("delta") or {}
-                if "text" in delta:
-                    block["text"] = block.get("text", "") + delta["text"]
-                if "partial_json" in delta:
-                    block["partial_json"] = block.get("partial_json", "") + delta["partial_json"]
+                _join_pieces(content, pieces)
+                content.append(dict(event.get("content_block") or {}))
+            elif kind == "content_block_delta" and content:
+                delta = event.get("delta") or {}
+                for key in ("text", "partial_json"):
+                    if isinstance(delta.get(key), str):
+                        if key not in pieces:
+                            start = content[-1].get(key)
+                            pieces[key] = [start if isinstance(start, str) else ""]
+                        pieces[key].append(delta[key])
             elif kind == "message_delta":
                 out.update(event.get("delta") or {})
                 if event.get("usage"):
                     out["usage"] = {**(out.get("usage") or {}), **event["usage"]}
             elif kind == "error" or "error" in event:
                 out["error"] = event.get("error", event)
-        for block in out["content"]:
+        _join_pieces(content, pieces)
+        for block in content:
             # Tool input streams as JSON text; the non-streamed twin carries the parsed object.
             # A stream cut mid-input keeps the text it got under `partial_json`.
             if "partial_json" in block:
@@ -65,6 +73,13 @@ class Messages(Format):
 
     def tail(self) -> KeptEvents:
         return KeptEvents(_token_event, self.assemble)
+
+
+def _join_pieces(content: list[Json], pieces: dict[str, list[str]]) -> None:
+    """The last block's text pieces, joined into it."""
+    for key, parts in pieces.items():
+        content[-1][key] = "".join(parts)
+    pieces.clear()
 
 
 def _token_event(event: Json) -> Json | None:

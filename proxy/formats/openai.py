@@ -9,10 +9,11 @@ the subclass's (`proxy.formats.chat`, `proxy.formats.completions`).
 from __future__ import annotations
 
 from abc import abstractmethod
+from typing import Any
 
 from proxy.formats.base import Extract, Format, Json, usage_of
 
-__all__ = ["Assembly", "OpenAIFormat", "TokenAssembly"]
+__all__ = ["Assembly", "OpenAIFormat", "Pieces", "TokenAssembly", "append_text", "joined_text"]
 
 
 class OpenAIFormat(Format):
@@ -66,7 +67,12 @@ class OpenAIFormat(Format):
 
     @abstractmethod
     def merge_content(self, choice: Json, part: Json) -> None:
-        """Merge a chunk's choice `part` into `choice`: its content and logprobs (the rest is shared)."""
+        """Merge a chunk's choice `part` into `choice`: its content and logprobs (the rest is shared);
+        streamed text goes in as `Pieces` (`append_text`)."""
+
+    @abstractmethod
+    def joined(self, choice: Json) -> Json:
+        """`choice` with its `Pieces` joined into text (itself when it has none)."""
 
     @abstractmethod
     def _logprobs(self, logprobs: Json) -> list[float | None] | None:
@@ -96,6 +102,26 @@ class OpenAIFormat(Format):
         return part
 
 
+class Pieces(list[str]):
+    """A text streamed in pieces (content, tool call arguments), joined once the response is taken:
+    concatenating piece by piece copies the text so far for every token, quadratic in the answer."""
+
+
+def joined_text(text: Any) -> Any:
+    return "".join(text) if type(text) is Pieces else text
+
+
+def append_text(target: Json, key: str, piece: Any) -> None:
+    """Add a streamed `piece` of text to `target[key]` (pieces that are not text are not text: skipped)."""
+    if not piece or type(piece) is not str:
+        return
+    text = target.get(key)
+    if type(text) is Pieces:
+        text.append(piece)
+    else:
+        target[key] = Pieces((text, piece) if text else (piece,))
+
+
 class Assembly:
     """A chat or completions stream rebuilt chunk by chunk into its non-streamed shape."""
 
@@ -103,32 +129,60 @@ class Assembly:
         self._format = format
         self._out: Json = {}
         self._choices: dict[int, Json] = {}
+        self._unseen: tuple[str, ...] = _HEAD_KEYS  # the response's own keys, taken from the first chunk that has each
 
     def add(self, chunk: Json) -> None:
         out = self._out
         if "error" in chunk and "choices" not in chunk:
             out["error"] = chunk["error"]
             return
-        for key in ("id", "created", "model", "system_fingerprint"):
-            if key in chunk and key not in out:
-                out[key] = chunk[key]
-        if chunk.get("prompt_token_ids") is not None:
-            out["prompt_token_ids"] = chunk["prompt_token_ids"]
-        if chunk.get("usage"):
-            out["usage"] = chunk["usage"]
-        for part in chunk.get("choices") or ():
+        if self._unseen:
+            found = [key for key in self._unseen if key in chunk]
+            if found:
+                for key in found:
+                    out[key] = chunk[key]
+                self._unseen = tuple(key for key in self._unseen if key not in out)
+        prompt_ids = chunk.get("prompt_token_ids")
+        if prompt_ids is not None:
+            out["prompt_token_ids"] = prompt_ids
+        usage = chunk.get("usage")
+        if usage:
+            out["usage"] = usage
+        parts = chunk.get("choices")
+        if not parts or type(parts) is not list:
+            return
+        format, choices = self._format, self._choices
+        for part in parts:
+            if type(part) is not dict:
+                continue  # not a choice: nothing of it can be merged
             index = part.get("index", 0)
-            choice = self._choices.get(index)
+            if type(index) is not int:
+                index = 0
+            choice = choices.get(index)
             if choice is None:
-                choice = self._choices[index] = self._format.empty_choice(index)
-            _merge_choice(self._format, choice, part)
+                choice = choices[index] = format.empty_choice(index)
+            token_ids = part.get("token_ids")
+            if token_ids and type(token_ids) is list:
+                choice["token_ids"].extend(token_ids)
+            # A later chunk's value replaces: mostly absent or None, so looked at in one go.
+            if part.get("finish_reason") is not None or part.get("stop_reason") is not None \
+                    or part.get("prompt_token_ids") is not None:
+                for key in _CHOICE_KEYS:
+                    if part.get(key) is not None:
+                        choice[key] = part[key]
+            format.merge_content(choice, part)
 
     def result(self) -> Json:
-        """The response so far; its choices are the assembly's own (later chunks extend them)."""
+        """The response so far, its texts joined; its token ID lists are the assembly's own (later chunks
+        extend them)."""
         out = dict(self._out)
         out["object"] = self._format.object
-        out["choices"] = [self._choices[i] for i in sorted(self._choices)]
+        out["choices"] = [self._format.joined(self._choices[i]) for i in sorted(self._choices)]
         return out
+
+
+_HEAD_KEYS = ("id", "created", "model", "system_fingerprint")
+_CHOICE_KEYS = ("prompt_token_ids", "finish_reason", "stop_reason")
 
 
 class TokenAssembly(Assembly):
@@ -136,15 +190,3 @@ class TokenAssembly(Assembly):
 
     def add(self, chunk: Json) -> None:
         super().add(self._format.token_part(chunk))
-
-
-def _merge_choice(format: OpenAIFormat, choice: Json, part: Json) -> None:
-    if part.get("token_ids"):
-        choice["token_ids"].extend(part["token_ids"])
-    if part.get("prompt_token_ids") is not None:
-        choice["prompt_token_ids"] = part["prompt_token_ids"]
-    if part.get("finish_reason") is not None:
-        choice["finish_reason"] = part["finish_reason"]
-    if part.get("stop_reason") is not None:
-        choice["stop_reason"] = part["stop_reason"]
-    format.merge_content(choice, part)

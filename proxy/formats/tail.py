@@ -43,7 +43,7 @@ class StreamTail:
             self._pieces.clear()
         for event in self._parser.feed(data):
             self._read += 1
-            value = loads(event) if event != "[DONE]" else None
+            value = loads(event) if event != b"[DONE]" else None
             if isinstance(value, dict):
                 self._assembly.add(value)
 

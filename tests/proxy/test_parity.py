@@ -22,7 +22,7 @@ def _stream_result(route: str, raw: bytes) -> dict[str, Any]:
     """Content, token IDs and logprobs of a stream. vLLM coalesces tokens into fewer chunks
     when its API server falls behind, so chunking differs between two identical requests."""
     events = list(iter_data(raw))
-    assert events[-1] == "[DONE]"
+    assert events[-1] == b"[DONE]"
     return _strip(for_route(route).assemble(parse_events(events)))
 
 

@@ -53,11 +53,12 @@ def renderings(draw: st.DrawFn) -> Rendering:
 
 
 def parse_chunks(chunks: list[bytes]) -> list[str]:
+    """The events of a stream fed in these chunks, as text (a client decodes them)."""
     parser = SseParser()
-    events: list[str] = []
+    events: list[bytes] = []
     for chunk in chunks:
         events += parser.feed(chunk)
-    return events + parser.close()
+    return [event.decode("utf-8", "replace") for event in events + parser.close()]
 
 
 def split(raw: bytes, cuts: list[int]) -> list[bytes]:
@@ -68,7 +69,7 @@ def split(raw: bytes, cuts: list[int]) -> list[bytes]:
 @settings(max_examples=300, deadline=None)
 @given(renderings())
 def test_parse_render_roundtrip(rendering: Rendering) -> None:
-    assert list(iter_data(rendering.raw)) == rendering.events
+    assert iter_data(rendering.raw) == [event.encode() for event in rendering.events]
 
 
 def cuts_in(raw: bytes) -> st.SearchStrategy[list[int]]:
@@ -102,17 +103,17 @@ def test_cut_stream_keeps_its_last_event(events: list[str], newline: str, data: 
 
 def test_examples() -> None:
     raw = "data: {\"a\": 1}\r\n\r\n: ping\r\ndata: héllo\rdata: wörld\r\rdata: [DONE]\n\n".encode()
-    assert list(iter_data(raw)) == ['{"a": 1}', "héllo\nwörld", "[DONE]"]
+    assert iter_data(raw) == [b'{"a": 1}', "héllo\nwörld".encode(), b"[DONE]"]
     parser = SseParser()
     # A CRLF split between chunks is one line ending, not two (which would end the event early).
     assert parser.feed(b"data: a\r") == []
     assert parser.feed(b"") == []
     assert parser.feed(b"\ndata: b\r") == []
-    assert parser.feed(b"\n\r\n") == ["a\nb"]
+    assert parser.feed(b"\n\r\n") == [b"a\nb"]
     # A multi-byte character split between chunks comes out whole.
     euro = "€".encode()
     assert parser.feed(b"data: " + euro[:1]) == []
-    assert parser.feed(euro[1:] + b"\n\n") == ["€"]
+    assert parser.feed(euro[1:] + b"\n\n") == [euro]
 
 
 # Any bytes inside a data line (invalid UTF-8 included), except the line breaks that end it.
@@ -140,5 +141,18 @@ def test_multibyte_text_split_across_chunks_assembles_whole(text: str, data: st.
               for ch in text]
     raw = ("".join(chunks) + "data: [DONE]\n\n").encode("utf-8")
     events = parse_chunks(split(raw, data.draw(cuts_in(raw), label="cuts")))
-    content = for_route("chat/completions").assemble(parse_events(events))["choices"]
+    content = for_route("chat/completions").assemble(parse_events(e.encode() for e in events))["choices"]
     assert (content[0]["message"]["content"] if content else "") == text
+
+
+# Pieces of what a stream holds, put together in any order: the whole-stream reader's fast path
+# (one `data: ` line per event, LF only) must read anything exactly as the line parser does.
+sse_pieces = st.sampled_from([b"data: ", b"data:", b"data:  ", b"\n", b"\n\n", b"\r", b"\r\n", b":", b": ping",
+                              b"event: e", b"id: 1", b'{"a":1}', b"x", b" ", b"\xe2\x82", b"\xac"])
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.lists(sse_pieces, max_size=40).map(b"".join))
+def test_the_whole_stream_reader_reads_any_bytes_as_the_line_parser_does(raw: bytes) -> None:
+    parser = SseParser()
+    assert iter_data(raw) == parser.feed(raw) + parser.close()

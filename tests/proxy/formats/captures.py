@@ -35,7 +35,7 @@ def raw(name: str) -> bytes:
     return (DATA / INDEX[name]["file"]).read_bytes()
 
 
-def stream(name: str) -> list[str]:
+def stream(name: str) -> list[bytes]:
     """The `data:` payloads of a streamed capture."""
     return list(iter_data(raw(name)))
 

@@ -43,7 +43,7 @@ def test_every_recorded_route_has_its_format() -> None:
 
 @pytest.mark.parametrize("streamed", [s for s, _ in OPENAI_PAIRS] + ["messages_stream"])
 def test_only_the_last_chunk_of_a_capture_is_terminal(streamed: str) -> None:
-    raw = b"".join(b"data: " + e.encode() + b"\n\n" for e in stream(streamed))
+    raw = b"".join(b"data: " + e + b"\n\n" for e in stream(streamed))
     format = for_route(route_of(streamed))
     events = raw.split(b"\n\n")[:-1]
     assert [format.is_terminal(e + b"\n\n") for e in events] == [False] * (len(events) - 1) + [True]

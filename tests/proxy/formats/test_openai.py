@@ -19,7 +19,7 @@ def test_openai_stream_assembles_to_its_twin(streamed: str, nonstreamed: str) ->
     route = route_of(streamed)
     format = for_route(route)
     events = stream(streamed)
-    assert events[-1] == "[DONE]"
+    assert events[-1] == b"[DONE]"
     assembled = format.assemble(parse_events(events))
     expected = whole(nonstreamed)
     for key in ("id", "model", "object", "system_fingerprint"):
