@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import os
 import time
 from dataclasses import dataclass, field
@@ -31,6 +32,8 @@ if TYPE_CHECKING:
     from proxy.balancer import ReplicaSeat
 
 __all__ = ["CallState", "parse_whole"]
+
+logger = logging.getLogger(__name__)
 
 _arrivals = itertools.count()
 # Call ids: 64 random bits per process, then a counter: unique across proxies sharing a
@@ -205,7 +208,15 @@ class CallState:
             arrival=self.arrival,
         )
         if body or self.whole is not None:  # a stream cut before its first kept byte has its token fields
-            self._fill_response(record, body)
+            try:
+                self._fill_response(record, body)
+            except Exception as exc:  # noqa: BLE001 - a record is written whatever the replica sent
+                # A shape no format reads (a broken or hostile replica): without this the call could
+                # never be sealed, so never recorded, and its attempt's `finish` would wait for it.
+                # The record keeps the exact bytes and says why it has no token fields.
+                logger.warning("call %s: the replica's response could not be read (%s: %s)", self.call_id,
+                               exc.__class__.__name__, exc)
+                _unreadable(record, exc)
         return record
 
     def _fill_response(self, record: CallRecord, body: bytes) -> None:
@@ -233,6 +244,16 @@ class CallState:
         elif record.status == CallStatus.UPSTREAM_ERROR and isinstance(response, dict):
             error = fields.error if fields.error is not None else response.get("error", response)
             record.error = error if isinstance(error, dict) else {"message": str(error)}
+
+
+def _unreadable(record: CallRecord, exc: Exception) -> None:
+    record.response = record.prompt_token_ids = record.completion_token_ids = None
+    record.completion_logprobs = record.finish_reason = record.usage = None
+    if record.status != CallStatus.OK:
+        return  # it failed for a reason of its own first: that is what it says
+    record.status = CallStatus.UPSTREAM_ERROR
+    record.error = {"message": f"the replica's response could not be read ({exc.__class__.__name__}); its bytes "
+                               "are kept in response_body", "type": "upstream_error", "code": "unreadable_response"}
 
 
 def parse_whole(body: bytes) -> Any:

@@ -88,7 +88,10 @@ class OpenAIFormat(Format):
         if "choices" not in chunk:
             return part
         part["choices"] = []
-        for choice in chunk.get("choices") or ():
+        choices = chunk["choices"]
+        if type(choices) is not list:
+            return part  # no choice in it, as `Assembly.add` reads it
+        for choice in choices:
             if not isinstance(choice, dict):
                 continue
             kept = {key: choice[key] for key in ("index", "token_ids", "prompt_token_ids", "finish_reason",

@@ -11,6 +11,7 @@ fault replica, both databases.
 from __future__ import annotations
 
 import asyncio
+import base64
 import itertools
 import json
 from collections.abc import Iterator
@@ -171,3 +172,38 @@ def test_a_data_error_from_the_database_is_a_400(tmp_path: Path) -> None:
         refused = asyncio.run(scenario(url))
     assert [e.code for e in refused] == ["invalid_value", "invalid_value"]
     assert "too long" in refused[0].message and "division by zero" in refused[1].message
+
+
+# Answers no format reads: entries of `logprobs.content` that are not objects, a `choices` that is
+# not a list of choices. The client gets the bytes as sent; the record must still be written.
+UNREADABLE_ANSWERS = [
+    {"choices": [{"index": 0, "message": {"role": "assistant", "content": "x"}, "logprobs": {"content": [1, "x"]}}]},
+    {"choices": [{"index": 0, "message": {"content": "x"}, "token_ids": [5], "logprobs": {"content": [None]}}]},
+]
+UNREADABLE_STREAM = [
+    'data: {"choices":[{"index":0,"delta":{"content":"a"},"token_ids":[5],"logprobs":{"content":[1]}}]}\n\n',
+    "data: [DONE]\n\n",
+]
+
+
+def test_an_answer_no_format_reads_is_still_recorded_and_finish_returns(proxy: RunningProxy) -> None:
+    rollout = f"unreadable-{next(_ids)}"
+    chat = f"{proxy.base_url(rollout, '0')}/chat/completions"
+    with httpx.Client(timeout=30) as http:
+        sent = []
+        for answer in UNREADABLE_ANSWERS:
+            got = http.post(chat, json={"model": "m", "messages": [], "fault": {"answer": answer}})
+            assert got.status_code == 200 and got.json() == answer  # relayed as the replica sent it
+            sent.append(got.content)
+        got = http.post(chat, json={"model": "m", "messages": [], "stream": True, "fault": {"chunks": UNREADABLE_STREAM}})
+        assert got.status_code == 200 and got.content == "".join(UNREADABLE_STREAM).encode()
+        sent.append(got.content)
+        finished = http.post(f"{proxy.url}/rollout/{rollout}/attempt/0/finish", json={"reward": 1.0})
+        assert finished.status_code == 200, finished.text  # no record left unwritten for it to wait on
+        calls = _attempt(http, proxy, rollout)["calls"]
+    assert [call["status"] for call in calls] == ["upstream_error"] * 3
+    assert {call["error"]["code"] for call in calls} == {"unreadable_response"}
+    assert [call["completion_token_ids"] for call in calls] == [None] * 3
+    for call, body in zip(calls, sent, strict=True):
+        kept = call["response_body"]
+        assert (kept.encode() if call["response_body_encoding"] == "utf-8" else base64.b64decode(kept)) == body
