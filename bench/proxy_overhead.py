@@ -358,15 +358,16 @@ class Cell:
     ovh_p99: float | None = None
 
 
-def request_body(stream: bool, max_tokens: int) -> bytes:
-    req: dict[str, Any] = {
-        "model": MODEL,
-        "messages": [
-            {"role": "system", "content": "You are a helpful assistant."},
-            {"role": "user", "content": "Say something."},
-        ],
-        "max_tokens": max_tokens,
-    }
+def request_body(stream: bool, max_tokens: int, prompt_bytes: int = 0) -> bytes:
+    """A chat request; `prompt_bytes` pads it with earlier turns to about that size (an agent's context)."""
+    messages = [{"role": "system", "content": "You are a helpful assistant."}]
+    turn = 0
+    while prompt_bytes and len(json.dumps(messages)) < prompt_bytes:
+        role = ("user", "assistant")[turn % 2]
+        messages.append({"role": role, "content": f"Turn {turn}: " + "the tool printed 42 lines of output. " * 20})
+        turn += 1
+    messages.append({"role": "user", "content": "Say something."})
+    req: dict[str, Any] = {"model": MODEL, "messages": messages, "max_tokens": max_tokens}
     if stream:
         req["stream"] = True
     return json.dumps(req, separators=(",", ":")).encode()
@@ -395,7 +396,7 @@ class Bench:
             srv.prepare(rid)
         fmt = srv.path_fmt(rid)
         url = srv.base + (srv.static_path if fmt is None else "/")
-        body = request_body(mode == "stream", self.args.max_tokens)
+        body = request_body(mode == "stream", self.args.max_tokens, self.args.prompt_bytes)
         pid = srv.cpu_pid or (srv.proc.pid if srv.proc is not None else self.replica_pid)
         cpu0 = _proc_tree_cpu(pid)
         res = run_wrk(url, body, conc, duration, self.lua, path_fmt=fmt, collect=collect,
@@ -609,6 +610,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--header-duration", type=int, default=3, help="seconds of the x-rolltap-overhead-ms run")
     p.add_argument("--repeat", type=int, default=3, help="interleaved repetitions; medians are reported")
     p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--prompt-bytes", type=int, default=0,
+                   help="pad each request with earlier turns to about this many bytes (an agent's context)")
     p.add_argument("--pg-url", default="postgresql://postgres@127.0.0.1:5432/test",
                    help="an existing database to connect to; a fresh one is created beside it and dropped")
     p.add_argument("--keep", action="store_true", help="keep the work directory and the PostgreSQL database")
@@ -652,7 +655,7 @@ def main(argv: list[str] | None = None) -> int:
         f"# {_versions(a)}",
         f"# command: {' '.join(['.venv/bin/python -m bench.proxy_overhead', *(argv if argv is not None else sys.argv[1:])])}",
         f"# wrk -t1 {f'(CPU {a.client_cpu}; server under test on CPU {a.server_cpu})' if not a.no_pin else '(unpinned)'}, "
-        f"{a.warmup} s warm-up + {a.duration} s per cell, {a.repeat} repeat(s), max_tokens={a.max_tokens}, "
+        f"{a.warmup} s warm-up + {a.duration} s per cell, {a.repeat} repeat(s), max_tokens={a.max_tokens}, prompt_bytes={a.prompt_bytes}, "
         "streams one SSE event per write",
     ]
     print("\n".join(header), flush=True)

@@ -62,8 +62,20 @@ _TIME_FIELDS = ("started_at", "ended_at", "first_byte_at")
 _BYTE_FIELDS = ("request_body", "response_body")
 
 
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
+_IOV_MAX = 1024  # buffers one `writev` takes (Linux)
+
+
+def _write_all(fd: int, pieces: list[bytes], size: int) -> None:
+    """Write `pieces` (`size` bytes in all) in order with no copy to join them: a call's request
+    and answer go to the disk from the buffers that already hold them."""
+    done = 0
+    if len(pieces) <= _IOV_MAX:
+        done = os.writev(fd, pieces)
+        if done == size:
+            return
+    # More buffers than one call takes, or a short write (a signal, a disk filling up): the rest
+    # from one buffer, until it is all out or the disk refuses.
+    view = memoryview(b"".join(pieces))[done:]
     while view:
         view = view[os.write(fd, view):]
 
@@ -95,7 +107,7 @@ class Journal:
         self._segment_calls: dict[int, int] = {}  # segment -> calls not yet durable with a line in it
         self._written = 0  # writes so far, and the count the last fsync covered
         self._synced = 0
-        self._pending: list[bytes] = []  # lines of the batch not yet written
+        self._pending: list[bytes] = []  # the pieces of the batch's lines, not yet written
         self._pending_bytes = 0
         self._batch: asyncio.Future[None] | None = None  # resolved once `_pending` is written
         self._sync_task: asyncio.Task[None] | None = None
@@ -176,50 +188,53 @@ class Journal:
                 self.open()
             return
         with contextlib.suppress(OSError):
-            self._guard(_write_all, self._fd, b"\n" * 4096)
+            self._guard(_write_all, self._fd, [b"\n" * 4096], 4096)
         with contextlib.suppress(OSError):
             os.ftruncate(self._fd, self._size)
 
-    def _append(self, line: bytes) -> None:
+    def _append(self, pieces: list[bytes], size: int) -> None:
+        """Write whole lines (`pieces`, `size` bytes in all) at the end of the segment."""
         try:
-            self._guard(_write_all, self._fd, line)
+            self._guard(_write_all, self._fd, pieces, size)
         except OSError:
             # A full disk can take part of a line: cut it off, or the next line would be glued to it
             # (and both lost to recovery). Truncating frees space, so it works on a full disk.
             with contextlib.suppress(OSError):
                 os.ftruncate(self._fd, self._size)
             raise
-        self._size += len(line)
+        self._size += size
         self._written += 1
 
     # -- the hot path ---------------------------------------------------------------------
 
-    def _enqueue(self, line: bytes) -> asyncio.Future[None] | None:
-        """Add a line to the current batch; its future, or None once the line is written (no loop running,
-        or a failing disk, where each line tries the disk itself and a refusal raises `OSError` here)."""
+    def _enqueue(self, *pieces: bytes) -> asyncio.Future[None] | None:
+        """Add a line (in `pieces`, written one after the other) to the current batch; its future, or None
+        once the line is written (no loop running, or a failing disk, where each line tries the disk itself
+        and a refusal raises `OSError` here)."""
+        size = sum(map(len, pieces))
         if self.error is not None:
             self.flush()
-            self._append(line)
+            self._append(list(pieces), size)
             return None
         if self._batch is None:
             try:
                 loop = asyncio.get_running_loop()
             except RuntimeError:
-                self._append(line)
+                self._append(list(pieces), size)
                 return None
             self._batch = _Batch(loop=loop)
             loop.call_soon(self.flush)
-        self._pending.append(line)
-        self._pending_bytes += len(line)
+        self._pending += pieces
+        self._pending_bytes += size
         return self._batch
 
     def flush(self) -> None:
         """Write the current batch now (the loop does this on its next turn); its waiters learn how it went."""
         batch, self._batch = self._batch, None
-        lines, self._pending, self._pending_bytes = self._pending, [], 0
+        pieces, size, self._pending, self._pending_bytes = self._pending, self._pending_bytes, [], 0
         try:
-            if lines:
-                self._append(lines[0] if len(lines) == 1 else b"".join(lines))
+            if pieces:
+                self._append(pieces, size)
         except OSError as exc:
             if batch is not None and not batch.done():
                 batch.set_exception(exc)
@@ -243,7 +258,7 @@ class Journal:
             self.flush()  # the batch belongs to the segment its calls were counted in
             self._open_segment()
         batch = self._enqueue(orjson.dumps({"s": call_id, "r": rollout_id, "a": attempt_id, "route": route,
-                                            "t": started_at, "n": arrival}) + b"\n")
+                                            "t": started_at, "n": arrival}), b"\n")
         self._open_calls[call_id] = self._segment
         self._segment_calls[self._segment] += 1
         return batch
@@ -251,7 +266,7 @@ class Journal:
     def request(self, call_id: str, payload: bytes) -> asyncio.Future[None] | None:
         """The request as sent upstream: `payload` is already JSON, spliced in without re-encoding."""
         self._held_here(call_id)
-        return self._enqueue(b'{"q":' + orjson.dumps(call_id) + b',"request":' + payload + b"}\n")
+        return self._enqueue(b'{"q":' + orjson.dumps(call_id) + b',"request":', payload, b"}\n")
 
     def _held_here(self, call_id: str) -> None:
         """A line of `call_id` goes to the current segment: keep it until the call is durable."""
@@ -263,7 +278,9 @@ class Journal:
             later.append(self._segment)
             self._segment_calls[self._segment] += 1
 
-    def ended(self, record: CallRecord) -> asyncio.Future[None] | None:
+    def ended(self, record: CallRecord, request_json: bytes | None = None) -> asyncio.Future[None] | None:
+        """Journal a call's record. `request_json`: `record.request` already encoded (as sent upstream),
+        spliced in rather than encoded again (an agent's request holds its whole context)."""
         # A shallow dict in `CallRecord.from_json`'s encoding (RFC 3339 datetimes, base64 bytes)
         # rather than `to_json`, whose deep copy (`asdict`) cost ~100x the encoding. `dumps_exact`:
         # what a client or model sent (lone surrogates, huge numbers) is journaled exactly too.
@@ -274,12 +291,17 @@ class Journal:
         for name in _BYTE_FIELDS:
             if row[name] is not None:
                 row[name] = base64.b64encode(row[name]).decode()
-        try:
-            line = dumps_exact(row)
-        except ExactJsonError:  # nested too deep to write: the exact bodies carry it
-            line = dumps_exact({**row, "request": None, "response": None})
+        line = None
+        if request_json is not None and row["request"] is not None:
+            with contextlib.suppress(TypeError, orjson.JSONEncodeError):  # what only `dumps_exact` writes
+                line = orjson.dumps({**row, "request": orjson.Fragment(request_json)})
+        if line is None:
+            try:
+                line = dumps_exact(row)
+            except ExactJsonError:  # nested too deep to write: the exact bodies carry it
+                line = dumps_exact({**row, "request": None, "response": None})
         self._held_here(record.call_id)
-        return self._enqueue(b'{"e":' + line + b"}\n")
+        return self._enqueue(b'{"e":', line, b"}\n")
 
     async def sync(self) -> None:
         """With `journal_fsync`: return once everything written so far is fsynced (group commit)."""

@@ -149,7 +149,7 @@ class Relay:
                 headers = forwardable_headers(request.headers)
                 if call.span is not None:  # no per-call work at all while tracing is off
                     headers |= self._trace_headers(call)
-                payload = self._payload(call, body)
+                payload = call.payload = self._payload(call, body)
                 if self._journal is not None:  # nor before its request line is
                     await self._written(self._local_write(self._journal.request, call.call_id, payload))
                 response = await self._send(call, payload, headers)
@@ -359,7 +359,7 @@ class Relay:
         record = call.seal()
         if self._journal is not None:
             try:
-                await Journal.written(self._journal.ended(record))
+                await Journal.written(self._journal.ended(record, call.payload))
                 await self._journal.sync()
             except OSError:
                 # The disk filled (or failed) under a call in progress: the client still gets its

@@ -11,6 +11,7 @@ import textwrap
 from datetime import UTC, datetime
 from pathlib import Path
 
+import orjson
 import pytest
 
 from proxy.journal import Journal, recover
@@ -101,17 +102,23 @@ def test_segments_go_once_their_calls_are_durable(tmp_path: Path) -> None:
 
 def test_lines_of_one_loop_turn_share_one_write_and_a_cancelled_waiter_leaves_the_rest(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # Counting the kernel writes (os.write is the journal's only way to the disk; nothing of ours is replaced).
+    # Counting the kernel writes (os.writev and os.write are the journal's only ways to the disk;
+    # nothing of ours is replaced).
     writes: list[int] = []
-    real_write = os.write
+    real_write, real_writev = os.write, os.writev
 
     def counting_write(fd: int, data: bytes | memoryview) -> int:
         writes.append(len(data))
         return real_write(fd, data)
 
+    def counting_writev(fd: int, buffers: list[bytes]) -> int:
+        writes.append(sum(map(len, buffers)))
+        return real_writev(fd, buffers)
+
     journal = Journal(tmp_path)
     journal.open()
     monkeypatch.setattr(os, "write", counting_write)
+    monkeypatch.setattr(os, "writev", counting_writev)
 
     async def call(i: int) -> None:
         await Journal.written(journal.started(f"call-{i}", "r", "a", "chat/completions", datetime.now(UTC), i))
@@ -190,3 +197,46 @@ def test_an_interrupted_call_keeps_its_request_line_from_a_later_segment(tmp_pat
     assert cut.status == CallStatus.INTERRUPTED and recovery.interrupted == 1
     assert cut.request == {"messages": [], "stream": True} and cut.is_streaming
     recovery.release()
+
+
+def test_a_batch_of_more_lines_than_one_writev_takes_is_written_whole_and_in_order(tmp_path: Path) -> None:
+    # Three buffers a line: 600 request lines are 1,800 buffers, past the kernel's 1,024 for one call.
+    journal = Journal(tmp_path)
+    journal.open()
+
+    async def main() -> None:
+        batches = [journal.request(f"call-{i}", b'{"n":%d}' % i) for i in range(600)]
+        await asyncio.gather(*(Journal.written(b) for b in batches))
+
+    asyncio.run(main())
+    (segment,) = tmp_path.glob("*.jsonl")
+    assert segment.read_bytes().splitlines() == [b'{"q":"call-%d","request":{"n":%d}}' % (i, i) for i in range(600)]
+    journal.close()
+
+
+def test_an_end_line_splices_the_request_as_sent_and_reads_back_exactly(tmp_path: Path) -> None:
+    from shared.verbatim import dumps_exact, loads_exact
+
+    journal = Journal(tmp_path)
+    journal.open()
+    request = loads_exact(b'{"messages":[{"role":"user","content":"' + b"ctx " * 1000 + b'\\ud800"}]}')
+    as_sent = dumps_exact(request)  # beyond orjson (a lone surrogate): the exact writer's bytes
+    plain = {"messages": [], "model": "m"}
+    records = [
+        CallRecord(call_id="call-wide", rollout_id="r", attempt_id="a", route="chat/completions", is_streaming=False,
+                   status="ok", started_at=datetime.now(UTC), ended_at=datetime.now(UTC), request=request),
+        # A response orjson cannot write (a lone surrogate): the whole line takes the exact writer.
+        CallRecord(call_id="call-odd", rollout_id="r", attempt_id="a", route="chat/completions", is_streaming=False,
+                   status="ok", started_at=datetime.now(UTC), ended_at=datetime.now(UTC), request=plain,
+                   response=loads_exact(b'{"x":"\\ud800"}')),
+        CallRecord(call_id="call-plain", rollout_id="r", attempt_id="a", route="chat/completions", is_streaming=False,
+                   status="ok", started_at=datetime.now(UTC), ended_at=datetime.now(UTC), request=plain),
+    ]
+    for record, sent in zip(records, [as_sent, orjson.dumps(plain), orjson.dumps(plain)], strict=True):
+        journal.started(record.call_id, "r", "a", "chat/completions", record.started_at, 0)
+        journal.ended(record, sent)
+    journal.close()
+    recovered = {r.call_id: r for r in recover(tmp_path).records}
+    assert recovered["call-wide"].request == request and dumps_exact(recovered["call-wide"].request) == as_sent
+    assert recovered["call-odd"].response == records[1].response and recovered["call-odd"].request == plain
+    assert recovered["call-plain"].request == plain
