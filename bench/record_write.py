@@ -8,7 +8,7 @@ with logprobs (`bench.record_floor`). The first batch (which creates the attempt
 out: the steady state is measured. CPU is this process's (SQLite's engine runs in it; the
 PostgreSQL server does not).
 
-    .venv/bin/python -m bench.record_write [--db sqlite|postgresql] [--batches 300]
+    .venv/bin/python -m bench.record_write [--db sqlite|postgresql] [--batches 300] [--prompt-bytes 32000]
 
 PostgreSQL: a fresh database is made and dropped at `ROLLTAP_TEST_PG_DSN` (default
 postgresql://postgres@127.0.0.1:5432/test), as the tests do.
@@ -117,12 +117,15 @@ def main() -> None:
     p.add_argument("--db", choices=["sqlite", "postgresql"], action="append")
     p.add_argument("--batches", type=int, default=300)
     p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--prompt-bytes", type=int, default=0,
+                   help="pad each request with earlier turns to about this many bytes (an agent's context)")
     a = p.parse_args()
     raw = canned_response()
-    request = request_body(False, 16)
+    request = request_body(False, 16, a.prompt_bytes)
     for kind in a.db or ["sqlite", "postgresql"]:
         runs = sorted(run(kind, raw, request, a.batches) for _ in range(a.repeat))
-        print(f"{kind}: write_calls, {AGENTS} records over {AGENTS} attempts per batch: median "
+        print(f"{kind}: write_calls, {AGENTS} records over {AGENTS} attempts per batch, {len(request):,}-byte requests: "
+              "median "
               f"{runs[len(runs) // 2]:.1f} µs CPU per record (min {runs[0]:.1f}, max {runs[-1]:.1f}; "
               f"{a.repeat} runs of {a.batches} batches)")
 
