@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -169,19 +168,14 @@ class _FrontEnds:
         self._replicas = replicas
         self.expected = {(i, f"ApiServer_{k}" if api_servers > 1 else "server")
                          for i in range(len(replicas)) for k in range(api_servers)}
-        self._pattern = re.compile(r"\((ApiServer_\d+) pid=\d+\).*\"POST /v1/completions HTTP" if api_servers > 1
-                                   else r"()\"POST /v1/completions HTTP")
         self._offsets: list[int] = []
 
     def mark(self) -> None:
-        self._offsets = [r.log_path.stat().st_size for r in self._replicas]
+        self._offsets = [r.log_size() for r in self._replicas]
 
     def served(self) -> set[tuple[int, str]]:
-        found: set[tuple[int, str]] = set()
-        for i, (replica, offset) in enumerate(zip(self._replicas, self._offsets, strict=True)):
-            text = replica.log_path.read_bytes()[offset:].decode(errors="replace")
-            found |= {(i, name or "server") for name in self._pattern.findall(text)}
-        return found
+        return {(i, name) for i, (replica, offset) in enumerate(zip(self._replicas, self._offsets, strict=True))
+                for name in replica.front_ends_served(offset, "completions")}
 
 
 def _spread(proxy: str, fronts: _FrontEnds, name: str, pool: ThreadPoolExecutor) -> dict[str, Any]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -168,6 +169,18 @@ class VllmReplica:
                 cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                 env=self.environment(), cwd=str(REPO_ROOT), start_new_session=True,
             )  # fmt: skip
+
+    def log_size(self) -> int:
+        """Where the log ends now: an offset for `front_ends_served`."""
+        return self.log_path.stat().st_size
+
+    def front_ends_served(self, offset: int, route: str) -> set[str]:
+        """The front ends that answered a POST to `/v1/<route>` since `offset` in this server's access log:
+        its API server processes by name (`ApiServer_0`, ... with `--api-server-count` above 1), or
+        `server` for a server of one."""
+        text = self.log_path.read_bytes()[offset:].decode(errors="replace")
+        pattern = rf'(?:\((ApiServer_\d+) pid=\d+\).*)?"POST /v1/{re.escape(route)} HTTP'
+        return {name or "server" for name in re.findall(pattern, text)}
 
     def log_tail(self, lines: int = 50) -> str:
         try:

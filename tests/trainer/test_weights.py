@@ -5,7 +5,6 @@ from __future__ import annotations
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
-import re
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -351,12 +350,6 @@ def test_a_merged_lora_version_serves_on_a_full_weight_replica_as_its_adapter_do
     assert from_disk != before and from_disk == in_memory == as_adapter
 
 
-def _front_ends_served(log: Path, offset: int) -> set[str]:
-    """The API server processes that answered a chat call since `offset` in the replica's log."""
-    text = log.read_bytes()[offset:].decode(errors="replace")
-    return set(re.findall(r"\((ApiServer_\d+) pid=\d+\).*\"POST /v1/chat/completions HTTP", text))
-
-
 @pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
 def test_a_full_push_reaches_every_api_server_of_a_replica(api_servers_replica: VllmReplica, tiny_model_dir: Path,
                                                            proxy_for: ProxyFactory, tmp_path: Path) -> None:
@@ -366,21 +359,20 @@ def test_a_full_push_reaches_every_api_server_of_a_replica(api_servers_replica: 
     new_weights = _perturbed_model(tiny_model_dir, tmp_path / "full-v1")
     staging = _ShmStaging(new_weights)
 
-    log = api_servers_replica.log_path
     rounds: dict[str, tuple[set[str], set[str], set[int]]] = {}
     with proxy_for([api_servers_replica.url], pool={"weight_mode": "full"}) as proxy, \
             WeightPusher(proxy.url, "t") as pusher, ThreadPoolExecutor(8) as pool:
 
         def spread(name: str) -> None:
             # Until both API servers have answered (each connection goes to one of them), at most 6 waves.
-            offset, answers, versions = log.stat().st_size, set(), set()
+            offset, answers, versions = api_servers_replica.log_size(), set(), set()
             for wave in range(6):
                 calls = list(pool.map(_greedy, [proxy.url] * 8, [f"{name}-{wave}-{i}" for i in range(8)]))
                 answers |= {text for text, _ in calls}
                 versions |= {call["policy_version"] for _, call in calls}
-                if len(_front_ends_served(log, offset)) == 2:
+                if len(api_servers_replica.front_ends_served(offset, "chat/completions")) == 2:
                     break
-            rounds[name] = (_front_ends_served(log, offset), answers, versions)
+            rounds[name] = (api_servers_replica.front_ends_served(offset, "chat/completions"), answers, versions)
 
         spread("before")
         disk = pusher.push_full(1, new_weights, served_name="tiny")
