@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["REPO_ROOT", "WRK_LUA", "cpu_seconds", "free_port", "http_get", "listen", "machine", "run_wrk", "stop_process",
+__all__ = ["REPO_ROOT", "WRK_LUA", "cpu_seconds", "descendants", "free_port", "http_get", "listen", "machine", "run_wrk", "stop_process",
            "terminate_group", "tree_cpu_seconds", "wait_ready"]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -109,8 +109,8 @@ def cpu_seconds(pid: int, *, waited_children: bool = False) -> float:
     return ticks / os.sysconf("SC_CLK_TCK")
 
 
-def tree_cpu_seconds(pid: int) -> float:
-    """utime + stime of a live process and all its live descendants (forked workers, vLLM's engine)."""
+def descendants(pid: int) -> set[int]:
+    """A live process and all its live descendants (forked workers, vLLM's engine and API servers)."""
     parents: dict[int, int] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
@@ -123,7 +123,12 @@ def tree_cpu_seconds(pid: int) -> float:
         kids = [child for child, parent in parents.items() if parent in frontier]
         tree.update(kids)
         frontier = kids
-    return sum(cpu_seconds(p) for p in tree)
+    return tree
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """utime + stime of a live process and all its live descendants."""
+    return sum(cpu_seconds(p) for p in descendants(pid))
 
 
 def machine() -> str:

@@ -71,7 +71,8 @@ from typing import Any
 
 import aiohttp
 
-from bench.harness import cpu_seconds, free_port, http_get, machine, stop_process, tree_cpu_seconds, wait_ready
+from bench.harness import (cpu_seconds, descendants, free_port, http_get, machine, stop_process, tree_cpu_seconds,
+                           wait_ready)
 from bench.proxy_profile import fold, module_bucket
 from bench.throughput_report import baselines, pooled_ratio, tagged
 from trainer.weights import lora_name
@@ -196,14 +197,31 @@ def _window(path: str, urls: list[str], extra: dict[str, Any], model: str, args:
 
 
 def _cpu(name: str, pid: int) -> float:
-    """CPU seconds so far: the API server process alone for `replica_api`, else the process with its children."""
-    return cpu_seconds(pid) if name == "replica_api" else tree_cpu_seconds(pid)
+    """CPU seconds so far: one process for `replica_api`, `replica_engine` and `replica_api0`, else the process with
+    its children."""
+    return tree_cpu_seconds(pid) if name in ("proxy", "replica") else cpu_seconds(pid)
+
+
+def _vllm_processes(pid: int) -> dict[str, int]:
+    """A vLLM server's engine core and first API server process, by the titles vLLM gives them
+    (`VLLM::EngineCore`, `VLLM::ApiServer_0`; with one API server the server's own process is it)."""
+    found: dict[str, int] = {}
+    for child in descendants(pid) - {pid}:
+        try:
+            title = Path(f"/proc/{child}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"EngineCore" in title:
+            found.setdefault("replica_engine", child)
+        elif b"ApiServer_0" in title:
+            found["replica_api0"] = child
+    return found
 
 
 def _spy(args: argparse.Namespace, pids: dict[str, int], tag: str) -> dict[str, tuple[subprocess.Popen[bytes], Path]]:
     """py-spy on the path's proxy (with its workers) and the replica's API server, for the window."""
     spies: dict[str, tuple[subprocess.Popen[bytes], Path]] = {}
-    for name in ("proxy", "replica_api"):
+    for name in ("proxy", "replica_api", "replica_api0", "replica_engine"):
         if name in pids:
             out = args.logs / f"py-spy-{tag}-{name}.txt"
             cmd = [args.py_spy, "record", "--pid", str(pids[name]), "--duration", str(int(args.window_s)),
@@ -302,7 +320,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sample-rate", type=float, default=0.0625)
     parser.add_argument("--procs", type=int, default=8, help="load-generating processes")
     parser.add_argument("--py-spy", default=None, metavar="BIN", help="profile the last round's windows with this "
-                        "py-spy: the path's proxy and the replica's API server (shares by module in the JSON)")
+                        "py-spy: the path's proxy, the replica's API server (its first, with several) and its engine "
+                        "core (shares by module in the JSON)")
     parser.add_argument("--paths", default="direct,direct_same_ask,proxy_on,proxy_off,proxy_sample")
     parser.add_argument("--lora-group", default=None, metavar="NAME", help="a server group with runtime LoRA whose "
                         "calls are served by adapters pushed through its first proxy path (one API server each)")
@@ -453,7 +472,8 @@ def _run(args: argparse.Namespace) -> int:
                         pids = {"proxy": procs[path].pid} if path in procs else {}
                         first = _target(path, args.groups)[1][0]
                         if first in args.replica_pids:
-                            pids |= {"replica_api": args.replica_pids[first], "replica": args.replica_pids[first]}
+                            pids |= {"replica_api": args.replica_pids[first], "replica": args.replica_pids[first],
+                                     **_vllm_processes(args.replica_pids[first])}
                         windows.append({**_window(path, *targets[path], models[path], args, load, rnd, pool, pids),
                                         "round": rnd})
                         _write(args, windows, paths)

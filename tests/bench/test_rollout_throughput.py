@@ -4,11 +4,12 @@ import json
 import sqlite3
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from bench.rollout_throughput import _group, _server_spec, _slug, _target
+from bench.rollout_throughput import _group, _server_spec, _slug, _target, _vllm_processes
 from bench.throughput_report import baselines
 
 GROUPS = {"a": ["http://h:1"], "c": ["http://h:2", "http://h:3", "http://h:4"]}
@@ -64,3 +65,21 @@ def test_a_lora_group_serves_the_pushed_adapter_on_every_front_end(tiny_model_di
     with sqlite3.connect(tmp_path / "lora.db") as db:  # the proxy's calls were served by the last version
         versions = {v for (v,) in db.execute("SELECT DISTINCT policy_version FROM calls WHERE rollout_id LIKE 'bench-%'")}
     assert versions == {3}
+
+
+def test_a_servers_engine_core_and_first_api_server_are_found_by_their_titles() -> None:
+    # vLLM titles its processes (`VLLM::EngineCore`, `VLLM::ApiServer_<k>`): stand-ins titled alike.
+    server = subprocess.Popen(["bash", "-c", "(exec -a VLLM::EngineCore sleep 30) & (exec -a VLLM::ApiServer_0 sleep 30) & "
+                               "(exec -a VLLM::ApiServer_1 sleep 30) & wait"])
+    try:
+        for _ in range(50):
+            found = _vllm_processes(server.pid)
+            if len(found) == 2:
+                break
+            time.sleep(0.1)
+        titles = {name: Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0] for name, pid in found.items()}
+        assert titles == {"replica_engine": b"VLLM::EngineCore", "replica_api0": b"VLLM::ApiServer_0"}
+    finally:
+        subprocess.run(["pkill", "-P", str(server.pid)], check=False)
+        server.kill()
+        server.wait()
