@@ -132,19 +132,15 @@ class Assembly:
         self._format = format
         self._out: Json = {}
         self._choices: dict[int, Json] = {}
-        self._unseen: tuple[str, ...] = _HEAD_KEYS  # the response's own keys, taken from the first chunk that has each
 
     def add(self, chunk: Json) -> None:
         out = self._out
         if "error" in chunk and "choices" not in chunk:
             out["error"] = chunk["error"]
             return
-        if self._unseen:
-            found = [key for key in self._unseen if key in chunk]
-            if found:
-                for key in found:
-                    out[key] = chunk[key]
-                self._unseen = tuple(key for key in self._unseen if key not in out)
+        for key in _HEAD_KEYS:  # the response's own, from the first chunk that has each
+            if key in chunk and key not in out:
+                out[key] = chunk[key]
         prompt_ids = chunk.get("prompt_token_ids")
         if prompt_ids is not None:
             out["prompt_token_ids"] = prompt_ids
@@ -167,12 +163,9 @@ class Assembly:
             token_ids = part.get("token_ids")
             if token_ids and type(token_ids) is list:
                 choice["token_ids"].extend(token_ids)
-            # A later chunk's value replaces: mostly absent or None, so looked at in one go.
-            if part.get("finish_reason") is not None or part.get("stop_reason") is not None \
-                    or part.get("prompt_token_ids") is not None:
-                for key in _CHOICE_KEYS:
-                    if part.get(key) is not None:
-                        choice[key] = part[key]
+            for key in _CHOICE_KEYS:  # a later chunk's value replaces
+                if part.get(key) is not None:
+                    choice[key] = part[key]
             format.merge_content(choice, part)
 
     def result(self) -> Json:
