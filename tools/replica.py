@@ -179,8 +179,12 @@ class VllmReplica:
         its API server processes by name (`ApiServer_0`, ... with `--api-server-count` above 1), or
         `server` for a server of one."""
         text = self.log_path.read_bytes()[offset:].decode(errors="replace")
-        pattern = rf'(?:\((ApiServer_\d+) pid=\d+\).*)?"POST /v1/{re.escape(route)} HTTP'
-        return {name or "server" for name in re.findall(pattern, text)}
+        request = rf'"POST /v1/{re.escape(route)} HTTP'
+        if self.api_servers == 1:
+            return {"server"} if re.search(request, text) else set()
+        # Several processes write one log, so a line can arrive cut by another's: only a line that names
+        # its process counts (reading an unnamed one as `server` once failed CI).
+        return set(re.findall(rf"\((ApiServer_\d+) pid=\d+\)[^\n]*{request}", text))
 
     def log_tail(self, lines: int = 50) -> str:
         try:

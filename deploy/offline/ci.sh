@@ -13,7 +13,8 @@
 # of an earlier run is needed. Run as root. Prints the time of each step.
 #
 # Env: ROLLTAP_COMPOSE_ENV_FILE (default .rolltap/compose-ci.env; written from .env.example with fresh
-#      random secrets), ROLLTAP_CI_PORT (default 18480, published on 127.0.0.1 only),
+#      random secrets, and then an earlier run's volumes removed; an existing file is kept, so a second
+#      `up` finds the running stack's secrets unchanged), ROLLTAP_CI_PORT (default 18480, published on 127.0.0.1 only),
 #      ROLLTAP_TORCH_WHEEL (default: the torch-2.13.0+cpu wheel in pip's find-links directory).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -24,8 +25,6 @@ ts() { local now; now=$(date +%s); printf '[compose-ci %4ds | step %4ds] %s\n' $
 compose() { docker compose --env-file "$ENV_FILE" -f docker-compose.yml -f docker-compose.scaled.yml --profile cpu "$@"; }
 
 write_env() {
-  # An existing file is kept, so a second `up` finds the running stack's secrets unchanged.
-  if [ -s "$ENV_FILE" ]; then return; fi
   mkdir -p "$(dirname "$ENV_FILE")"
   secret() { head -c 24 /dev/urandom | od -An -tx1 | tr -d ' \n'; }
   # The example with fresh secrets; the stack is published on loopback only.
@@ -55,7 +54,12 @@ up() {
   bash "$HERE/base-image.sh"; ts "base image python:3.11-slim"
   bash "$HERE/postgres-image.sh"; ts "postgres:15 image"
   bash "$HERE/compose-plugin.sh"; ts "compose plugin"
-  write_env; torch_wheel; ts "env file $ENV_FILE, torch wheel in deploy/wheels/"
+  if [ ! -s "$ENV_FILE" ]; then
+    # Fresh secrets meet no state of an earlier run: a run stopped mid-way leaves the project's volumes,
+    # and PostgreSQL, starting from an old pgdata, would refuse the new password.
+    write_env; compose down -v --remove-orphans -t 60
+  fi
+  torch_wheel; ts "env file $ENV_FILE, torch wheel in deploy/wheels/"
   # Compose builds one image after the other here; the vLLM image (the longest) builds beside the rest.
   build_log() { tail -n 60 "$1" >&2; echo "build failed; full log: $1" >&2; exit 1; }
   compose --progress plain build tiny-model > .rolltap/build-vllm-cpu.log 2>&1 & local vllm=$!
