@@ -40,7 +40,8 @@ paths'. E.g. one server with 4 API servers against 3 servers behind the proxy:
 
 `--group-arg NAME=ARG` gives one group's servers a vLLM argument of their own (a KV cache sized
 for its share of the streams, `--stream-interval`), so two groups differing only in it are
-measured in the same rounds.
+measured in the same rounds; `--group-env NAME=KEY=VALUE` gives them an environment variable of their
+own (`n=ROLLTAP_VLLM_LOGPROBS_WIRE=numpy`: vLLM's own logprob transport beside the plugin's).
 
 Serving a pushed policy, as Rolltap's default (`trainer.lora_rank = 8`) serves every call after the
 first push: `--lora-group NAME` starts that group with runtime LoRA; once its proxies are up, random
@@ -333,6 +334,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--group-arg", action="append", default=[], metavar="NAME=ARG",
                         help="a vLLM argument for group NAME's servers only, after --replica-arg (the last wins), "
                         "e.g. a=--kv-cache-memory=11000000000 or s=--stream-interval=8; repeatable")
+    parser.add_argument("--group-env", action="append", default=[], metavar="NAME=KEY=VALUE",
+                        help="an environment variable for group NAME's servers only, e.g. "
+                        "n=ROLLTAP_VLLM_LOGPROBS_WIRE=numpy; repeatable")
     parser.add_argument("--logs", type=Path, default=Path("/tmp/rolltap-throughput"))
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
@@ -355,6 +359,13 @@ def main(argv: list[str] | None = None) -> int:
         if name not in groups or not arg:
             parser.error(f"--group-arg {entry}: NAME=ARG for a --server group")
         group_args.setdefault(name, []).append(arg)
+    group_env: dict[str, dict[str, str]] = {}
+    for entry in args.group_env:
+        name, _, pair = entry.partition("=")
+        key, _, value = pair.partition("=")
+        if name not in groups or not key:
+            parser.error(f"--group-env {entry}: NAME=KEY=VALUE for a --server group")
+        group_env.setdefault(name, {})[key] = value
     replicas: list[VllmReplica] = []
     args.groups = {}
     for name, (count, api) in groups.items():
@@ -366,7 +377,8 @@ def main(argv: list[str] | None = None) -> int:
             extra += ["--max-lora-rank", str(args.lora_rank)]  # after VllmReplica's own: the last one counts
         mine = [VllmReplica(args.start_replica, served_model_name=args.model, dtype=args.dtype, max_model_len=1024,
                             extra_args=extra, log_path=args.logs / f"replica-{name or 'all'}-{i}.log",
-                            serve_cli=args.vllm_serve, api_servers=api, enable_lora=lora)
+                            serve_cli=args.vllm_serve, api_servers=api, enable_lora=lora,
+                            extra_env=group_env.get(name))
                 for i in range(count)]
         args.groups[name] = mine
         replicas += mine

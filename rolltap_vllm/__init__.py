@@ -11,11 +11,13 @@ restarted or added later fetches the active adapter on its first call the same w
 adapters the proxy no longer stores are deleted at the next fetch.
 
 It also registers `rolltap_shm`, a weight-transfer backend for full weights through host shared memory
-(rolltap_vllm/shm_engine.py; `trainer.weight_transfer = "shm"`).
+(rolltap_vllm/shm_engine.py; `trainer.weight_transfer = "shm"`), and sends sampled logprobs from the engine
+core to the API servers as bytes instead of numpy arrays (rolltap_vllm/logprobs_wire.py, on unless
+`ROLLTAP_VLLM_LOGPROBS_WIRE=numpy`).
 
-Standalone: the standard library and vLLM only, never Rolltap's packages, since it is installed
-into the replica's environment (`pip install ./rolltap_vllm`). Off unless `ROLLTAP_LORA_SOURCE` is
-set. It never logs the token.
+Standalone: the standard library and vLLM (with its numpy) only, never Rolltap's packages, since it is
+installed into the replica's environment (`pip install ./rolltap_vllm`). The resolver is off unless
+`ROLLTAP_LORA_SOURCE` is set. It never logs the token.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 from typing import Any
+
+from rolltap_vllm import logprobs_wire
 
 __all__ = ["AdapterFetchError", "AdapterSource", "register"]
 
@@ -165,8 +169,9 @@ def register() -> None:
     """vLLM's `vllm.general_plugins` entry point, called in each of its processes: registers the weight-transfer
     backend `rolltap_shm` (rolltap_vllm/shm_engine.py, loaded only when a replica is started with it) and, when
     `ROLLTAP_LORA_SOURCE` is set, the resolver. A source without a token fails the start: every fetch would be
-    refused."""
+    refused. The logprob transport switches here too, in the engine core and in every API server alike."""
     _register_shm_engine()
+    logprobs_wire.install()
     url = os.environ.get(ENV_SOURCE, "").strip()
     if not url:
         return

@@ -1,0 +1,120 @@
+"""Sampled-token logprobs from vLLM's engine core to its API servers as bytes, not numpy arrays.
+
+vLLM 0.26-0.27 sends each running request's new logprobs every step as three small numpy arrays (token ids,
+logprobs, ranks: `LogprobsLists.slice_request`). Its msgpack encoder in the engine core and decoder in the API
+server call a Python hook for every array, so a step with logprobs costs a hook pair per array on each side
+of the wire. Measured with vLLM's own encoder and decoder on the 2-core development machine (a step's
+`EngineCoreOutputs` for 256 requests, one new token each; docs/gpu-results.md): encoding 1.6-1.8 ms and
+decoding 3.2-3.7 ms with logprobs, against 0.03 ms and 0.07 ms without. The engine core is one Python thread,
+so that time comes off every step.
+
+Here the engine core sends each request's rows as bytes cut from one buffer per array per step, which msgpack
+carries without a hook, and the API server's `LogprobsProcessor` gets back the lists it would have made from
+the arrays (`tolist()`), so every value it builds (`Logprob`, ranks, the cumulative logprob) is the same:
+token ids and ranks as 64-bit integers and logprobs as 64-bit floats, widened from the engine's dtypes
+without rounding. Both processes of one vLLM server load the plugin with the same environment, so both
+sides switch together; the layout is native-endian, as vLLM's own arrays are.
+
+`ROLLTAP_VLLM_LOGPROBS_WIRE`: `bytes` (default) or `numpy` (vLLM's own transport). A vLLM whose classes do not
+look as this module expects keeps its own transport and says so once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+logger = logging.getLogger("vllm.rolltap_vllm")
+
+ENV_WIRE = "ROLLTAP_VLLM_LOGPROBS_WIRE"
+_FIELDS = ("logprob_token_ids", "logprobs", "sampled_token_ranks", "cu_num_generated_tokens")
+_INSTALLED = "_rolltap_logprobs_wire"
+
+
+class _Row(list[Any]):
+    """One position's ids or logprobs, as `ndarray.tolist()` would give them to vLLM's processor."""
+
+    __slots__ = ()
+
+    def tolist(self) -> list[Any]:
+        return self
+
+
+class _Rank(int):
+    """One position's rank, as `ndarray.tolist()` of a 0-d row gives it."""
+
+    __slots__ = ()
+
+    def tolist(self) -> int:
+        return int(self)
+
+
+def install() -> bool:
+    """Switch this process's side of the transport; True when it is on. Called by the plugin's `register`."""
+    mode = (os.environ.get(ENV_WIRE) or "bytes").strip().lower()
+    if mode == "numpy":
+        return False
+    if mode != "bytes":
+        raise RuntimeError(f"{ENV_WIRE}={mode!r}: want bytes or numpy")
+    try:
+        from vllm.v1.engine.logprobs import LogprobsProcessor
+        from vllm.v1.outputs import LogprobsLists
+    except ImportError:  # a vLLM without the v1 engine: nothing to change
+        return False
+    if getattr(LogprobsLists, _INSTALLED, False):
+        return True
+    if LogprobsLists._fields != _FIELDS or not callable(getattr(LogprobsProcessor, "_update_sample_logprobs", None)):
+        logger.warning("rolltap: this vLLM's logprob classes differ from 0.26-0.27's; keeping its own transport")
+        return False
+    _patch(LogprobsLists, LogprobsProcessor)
+    return True
+
+
+def _patch(lists: Any, processor: Any) -> None:
+    import numpy as np
+
+    cut: list[Any] = [None, None]  # the step's LogprobsLists and its three buffers, made once per step
+
+    def slice_request(self: Any, req_idx: int, num_positions: int) -> Any:
+        if self.cu_num_generated_tokens is not None:  # speculative decoding: rows per request differ
+            req_idx = self.cu_num_generated_tokens[req_idx]
+        owner, buffers = cut
+        if owner is not self:
+            ids = np.ascontiguousarray(self.logprob_token_ids, dtype=np.int64)
+            buffers = (ids.tobytes(), np.ascontiguousarray(self.logprobs, dtype=np.float64).tobytes(),
+                       np.ascontiguousarray(self.sampled_token_ranks, dtype=np.int64).tobytes(),
+                       8 * (ids.shape[1] if ids.ndim == 2 else 1))
+            cut[:] = (self, buffers)
+        ids_b, logprobs_b, ranks_b, row = buffers
+        start, end = req_idx * row, (req_idx + num_positions) * row
+        return lists(ids_b[start:end], logprobs_b[start:end], ranks_b[req_idx * 8:(req_idx + num_positions) * 8], None)
+
+    original = processor._update_sample_logprobs
+
+    def update_sample_logprobs(self: Any, logprobs_lists: Any) -> None:
+        if isinstance(logprobs_lists.sampled_token_ranks, bytes):
+            logprobs_lists = _unpack(lists, logprobs_lists)
+        original(self, logprobs_lists)
+
+    lists.slice_request = slice_request
+    # msgspec builds the API server's decoder from these annotations when it starts (after plugins load):
+    # bytes arrive as bytes, and a numpy payload from an engine without the plugin fails loudly.
+    for field in _FIELDS[:3]:
+        lists.__annotations__[field] = bytes
+    processor._update_sample_logprobs = update_sample_logprobs
+    setattr(lists, _INSTALLED, True)
+    logger.info("rolltap: sampled logprobs travel from the engine core as bytes (%s=bytes)", ENV_WIRE)
+
+
+def _unpack(lists: Any, packed: Any) -> Any:
+    ranks = memoryview(packed.sampled_token_ranks).cast("q").tolist()
+    ids = memoryview(packed.logprob_token_ids).cast("q").tolist()
+    logprobs = memoryview(packed.logprobs).cast("d").tolist()
+    positions = len(ranks)
+    if positions == 1:
+        return lists([_Row(ids)], [_Row(logprobs)], [_Rank(ranks[0])], None)
+    width = len(ids) // positions if positions else 0
+    cuts = range(0, positions * width, width) if width else ()
+    return lists([_Row(ids[i:i + width]) for i in cuts], [_Row(logprobs[i:i + width]) for i in cuts],
+                 [_Rank(rank) for rank in ranks], None)
