@@ -188,7 +188,10 @@ def test_lifecycle_settings() -> None:
 def test_the_trainer_image_follows_the_vllm_image() -> None:
     trainer = _config([])["services"]["trainer"]
     vllm = _config([])["services"]["vllm-0"]
-    assert trainer["build"]["args"]["BASE_IMAGE"] == vllm["image"] == "vllm/vllm-openai:v0.26.0"
+    assert trainer["build"]["args"]["BASE_IMAGE"] == vllm["build"]["args"]["BASE_IMAGE"] == "vllm/vllm-openai:v0.26.0"
+    # The replicas run vLLM's image with Rolltap's plugin in it (logprobs as bytes, shm pushes, LoRA by bytes).
+    assert vllm["build"]["dockerfile"] == "Dockerfile.vllm-gpu" and vllm["image"] == "rolltap/vllm-gpu:0.26.0"
+    assert "pip install --no-cache-dir /tmp/rolltap_vllm" in (ROOT / "Dockerfile.vllm-gpu").read_text()
     text = (ROOT / "docker-compose.yml").read_text()
     for variable in ("VLLM_IMAGE", "POSTGRES_IMAGE", "PYTHON_IMAGE", "ROLLTAP_PROXY_IMAGE", "TORCH_INDEX_URL"):
         assert "${" + variable in text, variable
