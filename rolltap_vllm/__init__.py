@@ -12,8 +12,8 @@ adapters the proxy no longer stores are deleted at the next fetch.
 
 It also registers `rolltap_shm`, a weight-transfer backend for full weights through host shared memory
 (rolltap_vllm/shm_engine.py; `trainer.weight_transfer = "shm"`), and sends sampled logprobs from the engine
-core to the API servers as bytes instead of numpy arrays (rolltap_vllm/logprobs_wire.py, on unless
-`ROLLTAP_VLLM_LOGPROBS_WIRE=numpy`).
+core to the API servers as bytes instead of numpy arrays (rolltap_vllm/logprobs_wire.py: on for the vLLM
+releases it was checked against unless `ROLLTAP_VLLM_LOGPROBS_WIRE=numpy`).
 
 Standalone: the standard library and vLLM (with its numpy) only, never Rolltap's packages, since it is
 installed into the replica's environment (`pip install ./rolltap_vllm`). The resolver is off unless

@@ -15,8 +15,9 @@ token ids and ranks as 64-bit integers and logprobs as 64-bit floats, widened fr
 without rounding. Both processes of one vLLM server load the plugin with the same environment, so both
 sides switch together; the layout is native-endian, as vLLM's own arrays are.
 
-`ROLLTAP_VLLM_LOGPROBS_WIRE`: `bytes` (default) or `numpy` (vLLM's own transport). A vLLM whose classes do not
-look as this module expects keeps its own transport and says so once.
+`ROLLTAP_VLLM_LOGPROBS_WIRE`: `auto` (default: on for the vLLM versions this was checked against, 0.26 and 0.27),
+`bytes` (on for any vLLM whose classes look as this module expects) or `numpy` (vLLM's own transport). A vLLM
+it does not switch keeps its own transport and says why once.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ logger = logging.getLogger("vllm.rolltap_vllm")
 ENV_WIRE = "ROLLTAP_VLLM_LOGPROBS_WIRE"
 _FIELDS = ("logprob_token_ids", "logprobs", "sampled_token_ranks", "cu_num_generated_tokens")
 _INSTALLED = "_rolltap_logprobs_wire"
+# The vLLM releases whose engine core, serializer and logprob processor this was read and tested against.
+CHECKED = ("0.26.", "0.27.")
 
 
 class _Row(list[Any]):
@@ -52,18 +55,24 @@ class _Rank(int):
 
 def install() -> bool:
     """Switch this process's side of the transport; True when it is on. Called by the plugin's `register`."""
-    mode = (os.environ.get(ENV_WIRE) or "bytes").strip().lower()
+    mode = (os.environ.get(ENV_WIRE) or "auto").strip().lower()
     if mode == "numpy":
         return False
-    if mode != "bytes":
-        raise RuntimeError(f"{ENV_WIRE}={mode!r}: want bytes or numpy")
+    if mode not in ("auto", "bytes"):
+        raise RuntimeError(f"{ENV_WIRE}={mode!r}: want auto, bytes or numpy")
     try:
+        import vllm
         from vllm.v1.engine.logprobs import LogprobsProcessor
         from vllm.v1.outputs import LogprobsLists
     except ImportError:  # a vLLM without the v1 engine: nothing to change
         return False
     if getattr(LogprobsLists, _INSTALLED, False):
         return True
+    version = str(getattr(vllm, "__version__", ""))
+    if mode == "auto" and not version.startswith(CHECKED):
+        logger.warning("rolltap: vLLM %s is not one the logprob transport was checked against (%s); keeping "
+                       "its own (%s=bytes switches it anyway)", version, ", ".join(v + "x" for v in CHECKED), ENV_WIRE)
+        return False
     if LogprobsLists._fields != _FIELDS or not callable(getattr(LogprobsProcessor, "_update_sample_logprobs", None)):
         logger.warning("rolltap: this vLLM's logprob classes differ from 0.26-0.27's; keeping its own transport")
         return False
@@ -104,7 +113,7 @@ def _patch(lists: Any, processor: Any) -> None:
         lists.__annotations__[field] = bytes
     processor._update_sample_logprobs = update_sample_logprobs
     setattr(lists, _INSTALLED, True)
-    logger.info("rolltap: sampled logprobs travel from the engine core as bytes (%s=bytes)", ENV_WIRE)
+    logger.info("rolltap: sampled logprobs travel from the engine core as bytes (%s=numpy: vLLM's own)", ENV_WIRE)
 
 
 def _unpack(lists: Any, packed: Any) -> Any:

@@ -5,6 +5,8 @@ processor, and a real `vllm serve` with the plugin answers as one without it."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +30,27 @@ def test_the_api_server_builds_the_same_logprobs_from_bytes(requests: int, width
     assert found["bytes"]["wire"] is True and found["numpy"]["wire"] is False  # each mode really ran its transport
     assert found["bytes"]["digest"] == found["numpy"]["digest"]
     assert found["bytes"]["positions"] == found["numpy"]["positions"] == requests * positions * 60
+
+
+# A vLLM release the transport was not checked against: `auto` keeps vLLM's own, `bytes` switches it anyway.
+_UNCHECKED = """
+import os, vllm
+vllm.__version__ = "0.99.0"
+from rolltap_vllm import logprobs_wire
+from vllm.v1.outputs import LogprobsLists
+on = logprobs_wire.install()
+print(on, getattr(LogprobsLists, "_rolltap_logprobs_wire", False), LogprobsLists.__annotations__["logprobs"].__name__)
+"""
+
+
+@pytest.mark.parametrize(("mode", "expected"), [("auto", "False False ndarray"), ("bytes", "True True bytes"),
+                                                ("numpy", "False False ndarray")])
+def test_an_unchecked_vllm_keeps_its_own_transport_unless_told(mode: str, expected: str) -> None:
+    done = subprocess.run([str(vllm_python()), "-c", _UNCHECKED], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "ROLLTAP_VLLM_LOGPROBS_WIRE": mode}, check=True)
+    assert done.stdout.strip().splitlines()[-1] == expected
+    if mode == "auto":
+        assert "vLLM 0.99.0 is not one the logprob transport was checked against" in done.stdout + done.stderr
 
 
 def _answers(url: str) -> list[Any]:
