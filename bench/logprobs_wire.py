@@ -40,6 +40,8 @@ def measure(requests: int, width: int, positions: int, steps: int, seed: int = 0
     from vllm.v1.outputs import LogprobsLists
     from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
+    from rolltap_vllm import logprobs_wire
+
     load_general_plugins()  # as a server's processes do before they build their encoders and decoders
     encoder, decoder = MsgpackEncoder(), MsgpackDecoder(EngineCoreOutputs)
     rng = np.random.default_rng(seed)
@@ -77,7 +79,7 @@ def measure(requests: int, width: int, positions: int, steps: int, seed: int = 0
         digest.update(repr(processor.cumulative_logprob).encode())
     return {"us_per_step": {stage: round(s / steps * 1e6, 1) for stage, s in spent.items()},
             "digest": digest.hexdigest(), "positions": counted,
-            "wire": bool(getattr(LogprobsLists, "_rolltap_logprobs_wire", False))}
+            "wire": logprobs_wire.installed()}
 
 
 def _digest(processors: list[Any], digest: Any) -> int:

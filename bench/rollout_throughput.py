@@ -288,6 +288,18 @@ def _start_proxy(setting: str, args: argparse.Namespace, port: int, logs: Path, 
     return subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=log, stderr=log)
 
 
+def _per_group(parser: argparse.ArgumentParser, entries: list[str], groups: dict[str, Any], flag: str,
+               shape: str) -> dict[str, list[str]]:
+    """`NAME=REST` entries of a per-group flag, by --server group; REST must be non-empty (and hold a key)."""
+    found: dict[str, list[str]] = {}
+    for entry in entries:
+        name, _, rest = entry.partition("=")
+        if name not in groups or not rest or (shape.count("=") == 2 and not rest.partition("=")[0]):
+            parser.error(f"{flag} {entry}: {shape} for a --server group")
+        found.setdefault(name, []).append(rest)
+    return found
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--replica", action="append", default=[], help="a running vLLM replica's base URL (no /v1), or NAME=URL "
@@ -353,19 +365,9 @@ def main(argv: list[str] | None = None) -> int:
     from tools.replica import VllmReplica
 
     groups = dict(_server_spec(spec) for spec in args.server) or {"": (args.replicas, 1)}
-    group_args: dict[str, list[str]] = {}
-    for entry in args.group_arg:
-        name, _, arg = entry.partition("=")
-        if name not in groups or not arg:
-            parser.error(f"--group-arg {entry}: NAME=ARG for a --server group")
-        group_args.setdefault(name, []).append(arg)
-    group_env: dict[str, dict[str, str]] = {}
-    for entry in args.group_env:
-        name, _, pair = entry.partition("=")
-        key, _, value = pair.partition("=")
-        if name not in groups or not key:
-            parser.error(f"--group-env {entry}: NAME=KEY=VALUE for a --server group")
-        group_env.setdefault(name, {})[key] = value
+    group_args = _per_group(parser, args.group_arg, groups, "--group-arg", "NAME=ARG")
+    group_env = {name: {key: value for key, _, value in (pair.partition("=") for pair in pairs)}
+                 for name, pairs in _per_group(parser, args.group_env, groups, "--group-env", "NAME=KEY=VALUE").items()}
     replicas: list[VllmReplica] = []
     args.groups = {}
     for name, (count, api) in groups.items():

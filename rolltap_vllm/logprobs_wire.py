@@ -80,10 +80,22 @@ def install() -> bool:
     return True
 
 
+def installed() -> bool:
+    """Whether this process's LogprobsLists carries the bytes transport (the plugin's `install` switched it)."""
+    try:
+        from vllm.v1.outputs import LogprobsLists
+    except ImportError:
+        return False
+    return bool(getattr(LogprobsLists, _INSTALLED, False))
+
+
 def _patch(lists: Any, processor: Any) -> None:
     import numpy as np
 
-    cut: list[Any] = [None, None]  # the step's LogprobsLists and its three buffers, made once per step
+    # The step's LogprobsLists and its three buffers, made once per step. Keyed by identity: the scheduler
+    # slices one step's object for all its requests before it builds the next step's, and the reference held
+    # here keeps that object alive, so a new step's object can never reuse the cached one's id (objects that alternated would only be cut again).
+    cut: list[Any] = [None, None]
 
     def slice_request(self: Any, req_idx: int, num_positions: int) -> Any:
         if self.cu_num_generated_tokens is not None:  # speculative decoding: rows per request differ

@@ -39,7 +39,7 @@ vllm.__version__ = "0.99.0"
 from rolltap_vllm import logprobs_wire
 from vllm.v1.outputs import LogprobsLists
 on = logprobs_wire.install()
-print(on, getattr(LogprobsLists, "_rolltap_logprobs_wire", False), LogprobsLists.__annotations__["logprobs"].__name__)
+print(on, logprobs_wire.installed(), LogprobsLists.__annotations__["logprobs"].__name__)
 """
 
 
