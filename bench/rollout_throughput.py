@@ -6,7 +6,8 @@ each load (concurrent streaming agents), runs windows of the same streamed chat 
 prompts, `ignore_eos`, `max_tokens` tokens each) alternating between the paths, `--rounds` times:
 
 - `direct`: the replica as an agent would call it;
-- `direct_same_ask`: the replica asked what the proxy asks with logprobs on (token IDs, logprobs);
+- `direct_same_ask`: the replica asked what the proxy asks with logprobs on (token IDs, logprobs as
+  token IDs: `proxy.formats`' own chat ask);
 - `proxy_on`, `proxy_off`, `proxy_sample`: through the proxy's templated route, one attempt per call.
 
 Throughput is what the replicas generated in the window (vLLM's own `generation_tokens_total`,
@@ -75,6 +76,8 @@ import aiohttp
 from bench.harness import (cpu_seconds, descendants, free_port, http_get, machine, stop_process, tree_cpu_seconds,
                            wait_ready)
 from bench.proxy_profile import fold, module_bucket
+from proxy.formats import FORMATS
+from shared.types import Route
 from bench.throughput_report import baselines, pooled_ratio, tagged
 from trainer.weights import lora_name
 
@@ -461,7 +464,9 @@ def _run(args: argparse.Namespace) -> int:
         for path in paths:
             kind, replicas = _target(path, args.groups)
             if kind in ("direct", "direct_same_ask"):
-                ask = {"return_token_ids": True, "logprobs": True} if kind == "direct_same_ask" else {}
+                ask: dict[str, Any] = {}
+                if kind == "direct_same_ask":
+                    FORMATS[Route.CHAT].ask_for_tokens(ask, logprobs=True)
                 targets[path] = ([f"{url}/v1/chat/completions" for url in replicas], ask)
             elif kind.startswith("proxy_") and kind[6:] in SETTINGS:
                 # One proxy per path, one after the other: proxies migrating one fresh database at once race.

@@ -15,9 +15,15 @@ token ids and ranks as 64-bit integers and logprobs as 64-bit floats, widened fr
 without rounding. Both processes of one vLLM server load the plugin with the same environment, so both
 sides switch together; the layout is native-endian, as vLLM's own arrays are.
 
+A call that carries `"vllm_xargs": {"rolltap_ids_only": 1}` (the proxy's mark on logprobs it asked for itself,
+with `return_tokens_as_token_ids`) gets its logprobs' tokens undecoded: its `LogprobsProcessor` has no
+tokenizer, so it skips vLLM's per-position `convert_ids_to_tokens` and token check, and the chat layer answers
+`token_id:N` with `bytes: null` instead of building each token's bytes. The record keeps token IDs and
+logprobs, never the strings; the values are vLLM's own. A call without the mark is untouched.
+
 `ROLLTAP_VLLM_LOGPROBS_WIRE`: `auto` (default: on for the vLLM versions this was checked against, 0.26 and 0.27),
 `bytes` (on for any vLLM whose classes look as this module expects) or `numpy` (vLLM's own transport). A vLLM
-it does not switch keeps its own transport and says why once.
+it does not switch keeps its own transport and says why once; `numpy` also decodes marked calls' tokens.
 """
 
 from __future__ import annotations
@@ -31,6 +37,9 @@ logger = logging.getLogger("vllm.rolltap_vllm")
 ENV_WIRE = "ROLLTAP_VLLM_LOGPROBS_WIRE"
 _FIELDS = ("logprob_token_ids", "logprobs", "sampled_token_ranks", "cu_num_generated_tokens")
 _INSTALLED = "_rolltap_logprobs_wire"
+# `vllm_xargs` key (SamplingParams.extra_args) of a call whose logprobs' tokens need no decoding; the proxy
+# writes the same string (proxy/formats/chat.py), a test holds the two together.
+IDS_ONLY_XARG = "rolltap_ids_only"
 # The vLLM releases whose engine core, serializer and logprob processor this was read and tested against.
 CHECKED = ("0.26.", "0.27.")
 
@@ -73,7 +82,8 @@ def install() -> bool:
         logger.warning("rolltap: vLLM %s is not one the logprob transport was checked against (%s); keeping "
                        "its own (%s=bytes switches it anyway)", version, ", ".join(v + "x" for v in CHECKED), ENV_WIRE)
         return False
-    if LogprobsLists._fields != _FIELDS or not callable(getattr(LogprobsProcessor, "_update_sample_logprobs", None)):
+    if (LogprobsLists._fields != _FIELDS or not callable(getattr(LogprobsProcessor, "_update_sample_logprobs", None))
+            or not callable(getattr(LogprobsProcessor, "from_new_request", None))):
         logger.warning("rolltap: this vLLM's logprob classes differ from 0.26-0.27's; keeping its own transport")
         return False
     _patch(LogprobsLists, LogprobsProcessor)
@@ -118,14 +128,24 @@ def _patch(lists: Any, processor: Any) -> None:
             logprobs_lists = _unpack(lists, logprobs_lists)
         original(self, logprobs_lists)
 
+    original_new = processor.from_new_request.__func__
+
+    def from_new_request(cls: Any, tokenizer: Any, request: Any) -> Any:
+        params = request.sampling_params
+        if params is not None and params.extra_args and params.extra_args.get(IDS_ONLY_XARG):
+            tokenizer = None  # vLLM's own path for a server without a tokenizer: positions' tokens stay None
+        return original_new(cls, tokenizer, request)
+
     lists.slice_request = slice_request
+    processor.from_new_request = classmethod(from_new_request)
     # msgspec builds the API server's decoder from these annotations when it starts (after plugins load):
     # bytes arrive as bytes, and a numpy payload from an engine without the plugin fails loudly.
     for field in _FIELDS[:3]:
         lists.__annotations__[field] = bytes
     processor._update_sample_logprobs = update_sample_logprobs
     setattr(lists, _INSTALLED, True)
-    logger.info("rolltap: sampled logprobs travel from the engine core as bytes (%s=numpy: vLLM's own)", ENV_WIRE)
+    logger.info("rolltap: sampled logprobs travel from the engine core as bytes, and calls marked %s skip "
+                "decoding their tokens (%s=numpy: vLLM's own)", IDS_ONLY_XARG, ENV_WIRE)
 
 
 def _unpack(lists: Any, packed: Any) -> Any:

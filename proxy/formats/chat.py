@@ -3,6 +3,12 @@
 A choice's content streams as `delta`s (text, reasoning, refusal, tool call pieces), its
 logprobs as `logprobs.content` entries, one per token; vLLM adds `token_ids` to each
 choice and `prompt_token_ids` to the response on request (`return_token_ids`).
+
+Logprobs the proxy asks for on its own (the client asked for none) come as token IDs only:
+`return_tokens_as_token_ids` makes each entry's `token` a `token_id:N` placeholder, and the
+`rolltap_ids_only` mark in `vllm_xargs` lets the replica's plugin (rolltap_vllm/logprobs_wire.py)
+skip decoding them, so vLLM's front end builds neither the text nor the bytes of every token.
+The record never kept those strings: the trainer reads token IDs and logprobs.
 """
 
 from __future__ import annotations
@@ -11,7 +17,10 @@ from proxy.formats.base import Json
 from proxy.formats.openai import OpenAIFormat, Pieces, append_text, joined_text
 from shared.types import Route
 
-__all__ = ["Chat"]
+__all__ = ["IDS_ONLY_XARG", "Chat"]
+
+# The plugin's `vllm_xargs` key (rolltap_vllm.logprobs_wire.IDS_ONLY_XARG; a test holds the two together).
+IDS_ONLY_XARG = "rolltap_ids_only"
 
 
 class Chat(OpenAIFormat):
@@ -19,8 +28,13 @@ class Chat(OpenAIFormat):
     object = "chat.completion"
 
     def _ask_for_logprobs(self, body: Json) -> None:
-        if not body.get("logprobs"):
-            body["logprobs"] = True
+        if body.get("logprobs"):
+            return  # the client's own: answered as it asked
+        body["logprobs"] = True
+        body["return_tokens_as_token_ids"] = True  # only ever changes the logprobs' `token` strings
+        xargs = body.get("vllm_xargs")
+        if xargs is None or type(xargs) is dict:  # anything else is the client's own mistake: vLLM says so
+            body["vllm_xargs"] = {**(xargs or {}), IDS_ONLY_XARG: 1}
 
     def empty_choice(self, index: int) -> Json:
         return {"index": index, "message": {"role": "assistant", "content": ""}, "logprobs": None,

@@ -12,6 +12,7 @@ import httpx
 import openai
 import pytest
 
+from proxy.formats.chat import IDS_ONLY_XARG as CHAT_IDS_ONLY_XARG
 from proxy.formats.responses import LOGPROBS_INCLUDE
 from tests.conftest import ProxyFactory
 from tests.support.fault_replica import FaultReplica
@@ -103,3 +104,35 @@ def test_the_rate_is_a_share() -> None:
         ProxySettings(rollout_logprobs="sample", rollout_logprobs_rate=1.5)
     with pytest.raises(ValidationError):
         ProxySettings(rollout_logprobs="sometimes")  # type: ignore[arg-type]
+
+
+@pytest.mark.vllm
+def test_logprobs_the_proxy_asks_for_are_token_ids_only_and_the_same_values(vllm_replica: Any,
+                                                                             proxy_for: ProxyFactory) -> None:
+    """An agent that asks for no logprobs gets the proxy's undecoded (`token_id:N`, no bytes: the replica's
+    plugin skipped decoding), and the record holds the logprobs a direct call asking for decoded ones gets."""
+    from rolltap_vllm.logprobs_wire import IDS_ONLY_XARG
+
+    assert IDS_ONLY_XARG == CHAT_IDS_ONLY_XARG  # the plugin and the proxy read one mark
+    request = {"model": "tiny", "messages": MESSAGES, "max_tokens": 12, "temperature": 0}
+    with proxy_for([vllm_replica.url]) as proxy, httpx.Client(timeout=60) as http:
+        direct = http.post(f"{vllm_replica.url}/v1/chat/completions",
+                           json={**request, "logprobs": True, "return_token_ids": True}).json()
+        via = http.post(f"{proxy.base_url('r-ids', 'a0')}/chat/completions", json=request).json()
+        streamed = http.post(f"{proxy.base_url('r-ids', 'a0')}/chat/completions", json={**request, "stream": True})
+        own = http.post(f"{proxy.base_url('r-ids', 'a0')}/chat/completions", json={**request, "logprobs": True}).json()
+        calls = http.get(f"{proxy.url}/rollout/r-ids/attempt/a0").json()["calls"]
+    (choice,) = direct["choices"]
+    tokens, values = choice["token_ids"], [e["logprob"] for e in choice["logprobs"]["content"]]
+    assert all(e["token"] and not e["token"].startswith("token_id:") and e["bytes"] is not None
+               for e in choice["logprobs"]["content"])
+    entries = via["choices"][0]["logprobs"]["content"]
+    assert [e["token"] for e in entries] == [f"token_id:{t}" for t in tokens]
+    assert all(e["bytes"] is None for e in entries)  # nothing decoded on the replica
+    assert streamed.status_code == 200 and b'"bytes":null' in streamed.content
+    assert [e["token"] for e in own["choices"][0]["logprobs"]["content"]] == [
+        e["token"] for e in choice["logprobs"]["content"]]  # the agent's own ask: decoded, as vLLM answers it
+    assert len(calls) == 3
+    for call in calls:
+        assert call["completion_token_ids"] == tokens
+        assert call["completion_logprobs"] == pytest.approx(values, abs=1e-5)

@@ -50,7 +50,13 @@ def test_only_the_last_chunk_of_a_capture_is_terminal(streamed: str) -> None:
 
 
 @pytest.mark.parametrize(("route", "logprobs", "body", "asked"), [
-    (Route.CHAT, True, {}, {"return_token_ids": True, "logprobs": True}),
+    (Route.CHAT, True, {}, {"return_token_ids": True, "logprobs": True, "return_tokens_as_token_ids": True,
+                            "vllm_xargs": {"rolltap_ids_only": 1}}),
+    (Route.CHAT, True, {"vllm_xargs": {"a": "b"}}, {"return_token_ids": True, "logprobs": True,
+                                                    "return_tokens_as_token_ids": True,
+                                                    "vllm_xargs": {"a": "b", "rolltap_ids_only": 1}}),
+    (Route.CHAT, True, {"vllm_xargs": "x"}, {"return_token_ids": True, "logprobs": True,
+                                             "return_tokens_as_token_ids": True, "vllm_xargs": "x"}),
     (Route.CHAT, True, {"logprobs": True, "top_logprobs": 2}, {"return_token_ids": True, "logprobs": True,
                                                                "top_logprobs": 2}),
     (Route.CHAT, False, {}, {"return_token_ids": True}),
