@@ -71,7 +71,9 @@ async def _stream(url: str, ask: dict[str, Any], streams: int, seconds: float, m
     return tokens
 
 
-def measure(url: str, server_pid: int, streams: int, seconds: float, rounds: int, max_tokens: int) -> dict[str, Any]:
+def measure(url: str, server_pid: int, streams: int, seconds: float, rounds: int,
+            max_tokens: int) -> dict[str, dict[str, tuple[float, float, float]]]:
+    """Per ask, per measure: the median, least and most over the rounds."""
     processes = {server_pid, *descendants(server_pid)}
     names = {pid: ("api_server" if pid == server_pid else _name(pid)) for pid in processes}
     found: dict[str, dict[str, list[float]]] = {}
@@ -88,7 +90,8 @@ def measure(url: str, server_pid: int, streams: int, seconds: float, rounds: int
                 spent = cpu_seconds(pid) - before[pid]
                 if spent > 0.01:
                     row.setdefault(f"{names[pid]}_us_per_token", []).append(spent / max(tokens, 1) * 1e6)
-    return {ask: {key: round(statistics.median(values), 1) for key, values in row.items()} for ask, row in found.items()}
+    return {ask: {key: (statistics.median(values), min(values), max(values)) for key, values in row.items()}
+            for ask, row in found.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -109,12 +112,12 @@ def main(argv: list[str] | None = None) -> int:
         assert replica.proc is not None
         result = measure(replica.url, replica.proc.pid, args.streams, args.seconds, args.rounds, args.max_tokens)
     print(f"# {machine()}; {args.streams} streams, {args.seconds:g} s a window, {args.rounds} rounds, "
-          f"median; wire={args.wire}")
+          f"median (least-most); wire={args.wire}")
     columns = sorted({key for row in result.values() for key in row})
     print("| ask | " + " | ".join(columns) + " |")
     print("|---|" + "---:|" * len(columns))
     for ask, row in result.items():
-        print(f"| {ask} | " + " | ".join(f"{row.get(c, 0):,.0f}" for c in columns) + " |")
+        print(f"| {ask} | " + " | ".join("{:,.0f} ({:,.0f}-{:,.0f})".format(*row.get(c, (0, 0, 0))) for c in columns) + " |")
     return 0
 
 
