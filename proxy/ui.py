@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Iterable, Sequence
 from html import escape
 from typing import Any
@@ -187,20 +188,32 @@ def _reply(route: str, response: Any) -> str:
 
 
 def _token_texts(route: str, response: Any) -> list[str] | None:
-    """The generated tokens' text as the replica reported it with their logprobs, where it did."""
+    """The generated tokens' text as the replica reported it with their logprobs, where it did. Logprobs
+    the proxy asked for on its own come as token IDs (`token_id:N`, vLLM's `return_tokens_as_token_ids`):
+    no text, so the strip shows the IDs."""
+    texts = _reported_texts(route, response)
+    if not texts or any(_TOKEN_ID.fullmatch(text) for text in texts):
+        return None
+    return texts
+
+
+_TOKEN_ID = re.compile(r"token_id:-?[0-9]+")
+
+
+def _reported_texts(route: str, response: Any) -> list[str] | None:
     if not isinstance(response, dict):
         return None
     if route == "responses":
         return [str(_dict(e).get("token", "")) for item in _list(response.get("output"))
                 if _dict(item).get("type") == "message"
-                for part in _list(item.get("content")) for e in _list(_dict(part).get("logprobs"))] or None
+                for part in _list(item.get("content")) for e in _list(_dict(part).get("logprobs"))]
     choices = _list(response.get("choices"))
     logprobs = _dict(choices[0]).get("logprobs") if choices else None
     if not isinstance(logprobs, dict):
         return None
     if route == "chat/completions":
-        return [str(_dict(e).get("token", "")) for e in _list(logprobs.get("content"))] or None
-    return [str(t) for t in _list(logprobs.get("tokens"))] or None
+        return [str(_dict(e).get("token", "")) for e in _list(logprobs.get("content"))]
+    return [str(t) for t in _list(logprobs.get("tokens"))]
 
 
 def _logprob(value: Any) -> float | None:

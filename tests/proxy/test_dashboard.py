@@ -31,22 +31,27 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 
 
-def _fill(proxy_url: str) -> dict[str, Any]:
-    """Two attempts of task-1 (two turns each, rewards 1 and 0) and a failed task-2; the attempts as recorded."""
+def _fill(proxy_url: str) -> tuple[dict[str, Any], list[str]]:
+    """Two attempts of task-1 (two turns each, rewards 1 and 0) and a failed task-2: task-1/a0 as recorded,
+    and the token texts its second call's agent got (that turn asks for logprobs; the first does not,
+    so the proxy asks for them itself, as token IDs)."""
     headers = {"authorization": f"Bearer {AGENT_KEY}"}
+    texts: list[str] = []
     for rollout, attempt, reward, status in (("task-1", "a0", 1.0, "succeeded"), ("task-1", "a1", 0.0, "succeeded"),
                                              ("task-2", "a0", None, "failed")):
         client = openai.OpenAI(base_url=f"{proxy_url}/rollout/{rollout}/attempt/{attempt}/v1", api_key=AGENT_KEY)
         messages: list[dict[str, Any]] = [{"role": "user", "content": "What is 2 + 3?"}]
         for turn in range(2 if status == "succeeded" else 1):
             out = client.chat.completions.create(model="m", messages=messages, max_tokens=8,  # type: ignore[arg-type]
-                                                 temperature=1.0, seed=turn)
+                                                 temperature=1.0, seed=turn, logprobs=turn == 1)
+            if (rollout, attempt, turn) == ("task-1", "a0", 1):
+                texts = [entry.token for entry in (out.choices[0].logprobs.content or [])]  # type: ignore[union-attr]
             messages += [{"role": "assistant", "content": out.choices[0].message.content or ""},
                          {"role": "user", "content": "Are you sure?"}]
         body: dict[str, Any] = {"status": status} | ({"reward": reward} if reward is not None else {})
         httpx.post(f"{proxy_url}/rollout/{rollout}/attempt/{attempt}/finish", json=body, headers=headers,
                    timeout=60).raise_for_status()
-    return httpx.get(f"{proxy_url}/rollout/task-1/attempt/a0", headers=headers, timeout=60).json()
+    return httpx.get(f"{proxy_url}/rollout/task-1/attempt/a0", headers=headers, timeout=60).json(), texts
 
 
 def _trainer_rows(db_url: str, attempt: dict[str, Any]) -> None:
@@ -98,7 +103,7 @@ def test_dashboard_in_headless_chromium(vllm_replica: Any, proxy_for: ProxyFacto
     from playwright.sync_api import sync_playwright
 
     with proxy_for([vllm_replica.url], open_access=False, agent_key=AGENT_KEY) as proxy:
-        recorded = _fill(proxy.url)
+        recorded, texts = _fill(proxy.url)
         _trainer_rows(db_url, recorded)
         first, second = recorded["calls"]
         glue = len(second["prompt_token_ids"]) - len(first["prompt_token_ids"]) - len(first["completion_token_ids"])
@@ -135,9 +140,14 @@ def test_dashboard_in_headless_chromium(vllm_replica: Any, proxy_for: ProxyFacto
             assert "merge point" in page.locator(f"section[id='{second['call_id']}'] .merge").inner_text()
             assert page.locator(".badge.drop").inner_text() == "dropped: truncated"
             assert page.locator("ul.rewards .reward").inner_text() == "1"
-            # Token text comes from the replica's logprobs; the tooltip has the id and the logprob.
-            tip = page.locator("section.call .tok.gen").first.get_attribute("title") or ""
+            # Token text comes from the replica's logprobs where the agent asked for them; logprobs the proxy
+            # asked for on its own are token IDs, shown as such. The tooltip has the id and the logprob.
+            strip = page.locator(f"section[id='{first['call_id']}'] .tok.gen")
+            assert strip.all_text_contents() == [f"#{token}" for token in first["completion_token_ids"]]
+            tip = strip.first.get_attribute("title") or ""
             assert tip.startswith(f"id {first['completion_token_ids'][0]} · logprob ")
+            assert len(texts) == len(second["completion_token_ids"]) and not any(t.startswith("token_id:") for t in texts)
+            assert page.locator(f"section[id='{second['call_id']}'] .tok.gen").all_text_contents() == texts
             page.screenshot(path=str(DOCS / "dashboard-attempt.png"), full_page=True)
             page.goto(f"{proxy.url}/ui/charts")
             assert page.locator("figure.chart polyline").count() == 3  # reward, entropy, staleness
