@@ -31,6 +31,8 @@ class Chat(OpenAIFormat):
         if body.get("logprobs"):
             return  # the client's own: answered as it asked
         body["logprobs"] = True
+        if body.get("prompt_logprobs") is not None:
+            return  # the client's own prompt logprobs: the replica must decode this call's tokens
         body["return_tokens_as_token_ids"] = True  # only ever changes the logprobs' `token` strings
         xargs = body.get("vllm_xargs")
         if xargs is None or type(xargs) is dict:  # anything else is the client's own mistake: vLLM says so

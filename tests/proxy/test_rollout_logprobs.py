@@ -121,6 +121,10 @@ def test_logprobs_the_proxy_asks_for_are_token_ids_only_and_the_same_values(vllm
         via = http.post(f"{proxy.base_url('r-ids', 'a0')}/chat/completions", json=request).json()
         streamed = http.post(f"{proxy.base_url('r-ids', 'a0')}/chat/completions", json={**request, "stream": True})
         own = http.post(f"{proxy.base_url('r-ids', 'a0')}/chat/completions", json={**request, "logprobs": True}).json()
+        # vLLM decodes prompt and sampled logprobs in one processor: a call with the agent's own prompt
+        # logprobs is not marked, so its prompt tokens keep their text.
+        prompted = http.post(f"{proxy.base_url('r-ids', 'a0')}/chat/completions",
+                             json={**request, "prompt_logprobs": 0}).json()
         calls = http.get(f"{proxy.url}/rollout/r-ids/attempt/a0").json()["calls"]
     (choice,) = direct["choices"]
     tokens, values = choice["token_ids"], [e["logprob"] for e in choice["logprobs"]["content"]]
@@ -132,7 +136,9 @@ def test_logprobs_the_proxy_asks_for_are_token_ids_only_and_the_same_values(vllm
     assert streamed.status_code == 200 and b'"bytes":null' in streamed.content
     assert [e["token"] for e in own["choices"][0]["logprobs"]["content"]] == [
         e["token"] for e in choice["logprobs"]["content"]]  # the agent's own ask: decoded, as vLLM answers it
-    assert len(calls) == 3
+    prompt_entries = [entry for position in prompted["prompt_logprobs"] if position for entry in position.values()]
+    assert prompt_entries and all(entry["decoded_token"] is not None for entry in prompt_entries)
+    assert len(calls) == 4
     for call in calls:
         assert call["completion_token_ids"] == tokens
         assert call["completion_logprobs"] == pytest.approx(values, abs=1e-5)

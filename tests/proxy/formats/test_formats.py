@@ -59,6 +59,7 @@ def test_only_the_last_chunk_of_a_capture_is_terminal(streamed: str) -> None:
                                              "return_tokens_as_token_ids": True, "vllm_xargs": "x"}),
     (Route.CHAT, True, {"logprobs": True, "top_logprobs": 2}, {"return_token_ids": True, "logprobs": True,
                                                                "top_logprobs": 2}),
+    (Route.CHAT, True, {"prompt_logprobs": 0}, {"return_token_ids": True, "logprobs": True, "prompt_logprobs": 0}),
     (Route.CHAT, False, {}, {"return_token_ids": True}),
     (Route.COMPLETIONS, True, {}, {"return_token_ids": True, "logprobs": 0}),
     (Route.COMPLETIONS, True, {"logprobs": 3}, {"return_token_ids": True, "logprobs": 3}),
