@@ -4,23 +4,18 @@ A choice's content streams as `delta`s (text, reasoning, refusal, tool call piec
 logprobs as `logprobs.content` entries, one per token; vLLM adds `token_ids` to each
 choice and `prompt_token_ids` to the response on request (`return_token_ids`).
 
-Logprobs the proxy asks for on its own (the client asked for none) come as token IDs only:
-`return_tokens_as_token_ids` makes each entry's `token` a `token_id:N` placeholder, and the
-`rolltap_ids_only` mark in `vllm_xargs` lets the replica's plugin (rolltap_vllm/logprobs_wire.py)
-skip decoding them, so vLLM's front end builds neither the text nor the bytes of every token.
-The record never kept those strings: the trainer reads token IDs and logprobs.
+Logprobs the proxy asks for on its own (the client asked for none) come as token IDs only
+(`proxy.formats.openai.mark_ids_only`): vLLM's front end builds neither the text nor the bytes
+of every token. The record never kept those strings: the trainer reads token IDs and logprobs.
 """
 
 from __future__ import annotations
 
 from proxy.formats.base import Json
-from proxy.formats.openai import OpenAIFormat, Pieces, append_text, joined_text
+from proxy.formats.openai import OpenAIFormat, Pieces, append_text, joined_text, mark_ids_only
 from shared.types import Route
 
-__all__ = ["IDS_ONLY_XARG", "Chat"]
-
-# The plugin's `vllm_xargs` key (rolltap_vllm.logprobs_wire.IDS_ONLY_XARG; a test holds the two together).
-IDS_ONLY_XARG = "rolltap_ids_only"
+__all__ = ["Chat"]
 
 
 class Chat(OpenAIFormat):
@@ -31,12 +26,7 @@ class Chat(OpenAIFormat):
         if body.get("logprobs"):
             return  # the client's own: answered as it asked
         body["logprobs"] = True
-        if body.get("prompt_logprobs") is not None:
-            return  # the client's own prompt logprobs: the replica must decode this call's tokens
-        body["return_tokens_as_token_ids"] = True  # only ever changes the logprobs' `token` strings
-        xargs = body.get("vllm_xargs")
-        if xargs is None or type(xargs) is dict:  # anything else is the client's own mistake: vLLM says so
-            body["vllm_xargs"] = {**(xargs or {}), IDS_ONLY_XARG: 1}
+        mark_ids_only(body)
 
     def empty_choice(self, index: int) -> Json:
         return {"index": index, "message": {"role": "assistant", "content": ""}, "logprobs": None,

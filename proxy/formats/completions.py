@@ -3,13 +3,14 @@
 A choice's `text` streams in pieces, its logprobs as parallel lists (`tokens`,
 `token_logprobs`, `top_logprobs`, `text_offset`); vLLM adds `token_ids` and the prompt's
 `prompt_token_ids` to each choice on request (`return_token_ids`). `best_of` asks for
-several choices as `n` does.
+several choices as `n` does. Logprobs the proxy asks for on its own come as token IDs only, as
+on chat (`proxy.formats.openai.mark_ids_only`); their `text_offset`s then count the placeholders.
 """
 
 from __future__ import annotations
 
 from proxy.formats.base import Json
-from proxy.formats.openai import OpenAIFormat, Pieces, append_text, joined_text
+from proxy.formats.openai import OpenAIFormat, Pieces, append_text, joined_text, mark_ids_only
 from shared.types import Route
 
 __all__ = ["Completions"]
@@ -25,6 +26,7 @@ class Completions(OpenAIFormat):
     def _ask_for_logprobs(self, body: Json) -> None:
         if body.get("logprobs") is None:
             body["logprobs"] = 0  # the sampled token's logprob, no alternatives
+            mark_ids_only(body)
 
     def empty_choice(self, index: int) -> Json:
         return {"index": index, "text": "", "logprobs": None, "finish_reason": None, "token_ids": []}

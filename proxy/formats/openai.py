@@ -13,7 +13,24 @@ from typing import Any
 
 from proxy.formats.base import Extract, Format, Json, usage_of
 
-__all__ = ["Assembly", "OpenAIFormat", "Pieces", "TokenAssembly", "append_text", "joined_text"]
+__all__ = ["IDS_ONLY_XARG", "Assembly", "OpenAIFormat", "Pieces", "TokenAssembly", "append_text", "joined_text",
+           "mark_ids_only"]
+
+# The plugin's `vllm_xargs` key (rolltap_vllm.logprobs_wire.IDS_ONLY_XARG; a test holds the two together).
+IDS_ONLY_XARG = "rolltap_ids_only"
+
+
+def mark_ids_only(body: Json) -> None:
+    """Logprobs the proxy asks for on its own (the agent asked for none) as token IDs: each position's
+    `token` becomes `token_id:N`, and the mark has the replica's plugin skip decoding the call's tokens
+    (`rolltap_vllm.logprobs_wire`). Not for a call with the agent's own prompt logprobs: vLLM decodes
+    prompt and sampled logprobs in one processor, and those the agent wants as text."""
+    if body.get("prompt_logprobs") is not None:
+        return
+    body["return_tokens_as_token_ids"] = True  # only ever changes the logprobs' `token` strings
+    xargs = body.get("vllm_xargs")
+    if xargs is None or type(xargs) is dict:  # anything else is the client's own mistake: vLLM says so
+        body["vllm_xargs"] = {**(xargs or {}), IDS_ONLY_XARG: 1}
 
 
 class OpenAIFormat(Format):

@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from proxy.formats.chat import IDS_ONLY_XARG as CHAT_IDS_ONLY_XARG
+from proxy.formats.openai import IDS_ONLY_XARG as PROXY_IDS_ONLY_XARG
 from proxy.formats.responses import LOGPROBS_INCLUDE
 from tests.conftest import ProxyFactory
 from tests.support.fault_replica import FaultReplica
@@ -113,7 +113,7 @@ def test_logprobs_the_proxy_asks_for_are_token_ids_only_and_the_same_values(vllm
     plugin skipped decoding), and the record holds the logprobs a direct call asking for decoded ones gets."""
     from rolltap_vllm.logprobs_wire import IDS_ONLY_XARG
 
-    assert IDS_ONLY_XARG == CHAT_IDS_ONLY_XARG  # the plugin and the proxy read one mark
+    assert IDS_ONLY_XARG == PROXY_IDS_ONLY_XARG  # the plugin and the proxy read one mark
     request = {"model": "tiny", "messages": MESSAGES, "max_tokens": 12, "temperature": 0}
     with proxy_for([vllm_replica.url]) as proxy, httpx.Client(timeout=60) as http:
         direct = http.post(f"{vllm_replica.url}/v1/chat/completions",
@@ -139,6 +139,27 @@ def test_logprobs_the_proxy_asks_for_are_token_ids_only_and_the_same_values(vllm
     prompt_entries = [entry for position in prompted["prompt_logprobs"] if position for entry in position.values()]
     assert prompt_entries and all(entry["decoded_token"] is not None for entry in prompt_entries)
     assert len(calls) == 4
+    for call in calls:
+        assert call["completion_token_ids"] == tokens
+        assert call["completion_logprobs"] == pytest.approx(values, abs=1e-5)
+
+
+def test_completions_logprobs_the_proxy_asks_for_are_token_ids_only(vllm_replica: Any, proxy_for: ProxyFactory) -> None:
+    """The same on the completions route: placeholders to the agent that asked for none, a decoding direct
+    call's values in the record."""
+    request = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 12, "temperature": 0}
+    with proxy_for([vllm_replica.url]) as proxy, httpx.Client(timeout=60) as http:
+        direct = http.post(f"{vllm_replica.url}/v1/completions",
+                           json={**request, "logprobs": 0, "return_token_ids": True}).json()
+        via = http.post(f"{proxy.base_url('r-cids', 'a0')}/completions", json=request).json()
+        streamed = http.post(f"{proxy.base_url('r-cids', 'a0')}/completions", json={**request, "stream": True})
+        calls = http.get(f"{proxy.url}/rollout/r-cids/attempt/a0").json()["calls"]
+    (choice,) = direct["choices"]
+    tokens, values = choice["token_ids"], choice["logprobs"]["token_logprobs"]
+    assert tokens and not any(token.startswith("token_id:") for token in choice["logprobs"]["tokens"])
+    assert via["choices"][0]["logprobs"]["tokens"] == [f"token_id:{t}" for t in tokens]
+    assert streamed.status_code == 200 and b'"token_id:' in streamed.content
+    assert len(calls) == 2
     for call in calls:
         assert call["completion_token_ids"] == tokens
         assert call["completion_logprobs"] == pytest.approx(values, abs=1e-5)
