@@ -23,6 +23,14 @@ class Completions(OpenAIFormat):
     object = "text_completion"
     choice_fields: tuple[str, ...] = ("n", "best_of")
 
+    def ask_for_tokens(self, body: Json, *, logprobs: bool) -> None:
+        if body.get("echo") and not body.get("return_token_ids"):
+            # vLLM answers an echoed prompt's text as "" once asked for token IDs (it sends them apart):
+            # the agent's answer comes first, so such a call (scoring, not sampling) is relayed as asked
+            # and recorded without token IDs, which the trainer skips.
+            return
+        super().ask_for_tokens(body, logprobs=logprobs)
+
     def _ask_for_logprobs(self, body: Json) -> None:
         if body.get("logprobs") is None:
             body["logprobs"] = 0  # the sampled token's logprob, no alternatives

@@ -154,6 +154,9 @@ def test_completions_logprobs_the_proxy_asks_for_are_token_ids_only(vllm_replica
         via = http.post(f"{proxy.base_url('r-cids', 'a0')}/completions", json=request).json()
         streamed = http.post(f"{proxy.base_url('r-cids', 'a0')}/completions", json={**request, "stream": True})
         calls = http.get(f"{proxy.url}/rollout/r-cids/attempt/a0").json()["calls"]
+        # An echoed prompt: vLLM answers its text as "" once asked for token IDs, so the proxy asks nothing.
+        echoed = http.post(f"{proxy.base_url('r-cids', 'a1')}/completions", json={**request, "echo": True})
+        (echo_call,) = http.get(f"{proxy.url}/rollout/r-cids/attempt/a1").json()["calls"]
     (choice,) = direct["choices"]
     tokens, values = choice["token_ids"], choice["logprobs"]["token_logprobs"]
     assert tokens and not any(token.startswith("token_id:") for token in choice["logprobs"]["tokens"])
@@ -163,3 +166,5 @@ def test_completions_logprobs_the_proxy_asks_for_are_token_ids_only(vllm_replica
     for call in calls:
         assert call["completion_token_ids"] == tokens
         assert call["completion_logprobs"] == pytest.approx(values, abs=1e-5)
+    assert echoed.json()["choices"][0]["text"] == request["prompt"] + choice["text"]
+    assert echo_call["status"] == "ok" and echo_call["completion_token_ids"] is None

@@ -67,6 +67,10 @@ def test_only_the_last_chunk_of_a_capture_is_terminal(streamed: str) -> None:
                                                        "prompt_logprobs": 1}),
     (Route.COMPLETIONS, True, {"logprobs": 3}, {"return_token_ids": True, "logprobs": 3}),
     (Route.COMPLETIONS, False, {}, {"return_token_ids": True}),
+    (Route.COMPLETIONS, True, {"echo": True}, {"echo": True}),
+    (Route.COMPLETIONS, True, {"echo": True, "return_token_ids": True}, {"echo": True, "return_token_ids": True,
+                                                                          "logprobs": 0, "return_tokens_as_token_ids": True,
+                                                                          "vllm_xargs": {"rolltap_ids_only": 1}}),
     (Route.MESSAGES, True, {}, {"return_token_ids": True}),
     (Route.RESPONSES, False, {}, {"enable_response_messages": True}),
 ])
