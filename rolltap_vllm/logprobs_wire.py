@@ -38,7 +38,7 @@ ENV_WIRE = "ROLLTAP_VLLM_LOGPROBS_WIRE"
 _FIELDS = ("logprob_token_ids", "logprobs", "sampled_token_ranks", "cu_num_generated_tokens")
 _INSTALLED = "_rolltap_logprobs_wire"
 # `vllm_xargs` key (SamplingParams.extra_args) of a call whose logprobs' tokens need no decoding; the proxy
-# writes the same string (proxy/formats/chat.py), a test holds the two together.
+# writes the same string (proxy/formats/openai.py, for chat and completions), a test holds the two together.
 IDS_ONLY_XARG = "rolltap_ids_only"
 # The vLLM releases whose engine core, serializer and logprob processor this was read and tested against.
 CHECKED = ("0.26.", "0.27.")
