@@ -82,7 +82,7 @@ bench: install
 # The proxy's CPU per call from outside (/proc), against a bare relay on the same stack, in one
 # run (needs wrk): the hot path's budget, results in docs/benchmarks.md ("CPU per call").
 bench-cpu: install
-	$(VENV)/bin/python -m bench.proxy_overhead --targets direct,bare,sqlite --concurrency 1,32 --repeat 3 \
+	$(VENV)/bin/python -m bench.proxy_overhead --targets direct,bare,bare-rolltap,sqlite --concurrency 1,32 --repeat 3 \
 		--out .rolltap/bench-cpu.md
 
 clean:

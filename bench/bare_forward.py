@@ -2,15 +2,19 @@
 
 A Starlette route under uvicorn (uvloop + httptools) forwarding `POST /v1/chat/completions`
 (and `/v1/completions`) to one replica through ONE shared `aiohttp.ClientSession` set up as
-the proxy's (`proxy/upstream.py`): explicit timeouts, a connection cap, keep-alive below
+the proxy's was until 2026-12-07: explicit timeouts, a connection cap, keep-alive below
 vLLM's, identity encoding, no cookie jar. No parsing beyond the `stream` flag, no recording:
-Rolltap's CPU per call over this one's is what recording and routing cost.
+Rolltap's CPU per call over this one's is issue 23's measure of what recording and routing cost.
+
+`--client rolltap` forwards through the proxy's own client instead (`proxy.upstream`, on
+`proxy.http1`): the same relay with what Rolltap sends upstream with, so a ratio against it
+counts recording and routing alone, not the client.
 
 (aiohttp was chosen over httpx for the proxy by a benchmark of both clients behind this same
 app, `bench/upstream_client.py`, retired once decided: docs/benchmarks.md has its results and
 the commit that last held it.)
 
-    python -m bench.bare_forward --upstream http://127.0.0.1:8001 --port 8100
+    python -m bench.bare_forward --upstream http://127.0.0.1:8001 --port 8100 [--client rolltap]
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ import yarl
 
 from bench.harness import REPO_ROOT, listen, stop_process, wait_ready
 
-__all__ = ["BareForward", "build_app", "start_bare_forward"]
+__all__ = ["BareForward", "build_app", "build_rolltap_client_app", "start_bare_forward"]
 
 # The proxy's client settings (shared/settings.py's defaults for `proxy.*_timeout_s`).
 CONNECT_TIMEOUT_S = 5.0
@@ -39,6 +43,45 @@ READ_TIMEOUT_S = 600.0  # per socket read: a non-streamed generation sends nothi
 POOL_TIMEOUT_S = 30.0
 KEEPALIVE_EXPIRY_S = 4.0  # below vLLM's 5 s idle keep-alive: never reuse a socket it is closing
 UPSTREAM_HEADERS = {"content-type": "application/json", "accept-encoding": "identity"}
+
+
+def build_rolltap_client_app(upstream: str, max_connections: int) -> Any:
+    """The same relay on `proxy.upstream.Upstream`: status, content type and bytes passed on as they come."""
+    from starlette.applications import Starlette
+    from starlette.background import BackgroundTask
+    from starlette.requests import Request
+    from starlette.responses import Response, StreamingResponse
+    from starlette.routing import Route
+
+    from proxy.upstream import JSON_HEADERS, Upstream
+    from shared.settings import ProxySettings
+
+    client = Upstream(ProxySettings(max_connections=max_connections))
+
+    async def completions(request: Request) -> Response:
+        body = await request.body()
+        r = await client.post(upstream, request.url.path, body, JSON_HEADERS)
+        if orjson.loads(body).get("stream") is not True or not r.is_stream:
+            return Response(await r.read(), r.status, media_type=r.content_type)
+
+        async def release() -> None:  # async on purpose: Starlette runs a sync one in a thread
+            r.release()
+
+        return StreamingResponse(r.aiter(), r.status, media_type=r.content_type, background=BackgroundTask(release))
+
+    async def health(request: Request) -> Response:
+        return Response(b"", 200)
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        try:
+            yield
+        finally:
+            await client.close()
+
+    return Starlette(routes=[Route("/v1/chat/completions", completions, methods=["POST"]),
+                             Route("/v1/completions", completions, methods=["POST"]),
+                             Route("/health", health, methods=["GET"])], lifespan=lifespan)
 
 
 def build_app(upstream: str, max_connections: int) -> Any:
@@ -113,12 +156,12 @@ class BareForward:
         stop_process(self.proc)
 
 
-def start_bare_forward(upstream: str, max_connections: int) -> BareForward:
-    """Serve `build_app` in a child process on a socket bound here; return once it answers."""
+def start_bare_forward(upstream: str, max_connections: int, client: str = "aiohttp") -> BareForward:
+    """Serve the relay on `client` in a child process on a socket bound here; return once it answers."""
     sock = listen()
     port = sock.getsockname()[1]
     cmd = [sys.executable, "-m", "bench.bare_forward", "--upstream", upstream, "--fd", str(sock.fileno()),
-           "--max-connections", str(max_connections), "--parent-pid", str(os.getpid())]
+           "--max-connections", str(max_connections), "--parent-pid", str(os.getpid()), "--client", client]
     try:
         proc = subprocess.Popen(cmd, pass_fds=(sock.fileno(),), cwd=REPO_ROOT, stdin=subprocess.DEVNULL)
     finally:
@@ -143,12 +186,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--fd", type=int, default=None, help="serve on this inherited listening socket")
     parser.add_argument("--parent-pid", type=int, default=None, help="exit when this process is gone")
     parser.add_argument("--max-connections", type=int, default=256)
+    parser.add_argument("--client", choices=("aiohttp", "rolltap"), default="aiohttp",
+                        help="aiohttp (issue 23's reference) or the proxy's own client (proxy.upstream)")
     args = parser.parse_args(argv)
     if args.parent_pid is not None:
         exit_with_parent(args.parent_pid)
     sock = socket.socket(fileno=args.fd) if args.fd is not None else socket.create_server(
         ("127.0.0.1", args.port), backlog=2048)
-    config = uvicorn.Config(build_app(args.upstream.rstrip("/"), args.max_connections), loop="uvloop",
+    build = build_rolltap_client_app if args.client == "rolltap" else build_app
+    config = uvicorn.Config(build(args.upstream.rstrip("/"), args.max_connections), loop="uvloop",
                             http="httptools", lifespan="on", access_log=False, log_level="warning")
     uvicorn.Server(config).run(sockets=[sock])
 

@@ -10,9 +10,11 @@ streamed and not, chat completions of 16 tokens:
   recording, no routing. It is the most any server on the contract's stack (an ASGI app under
   uvicorn) can do here, so it bounds every "× direct" a uvicorn-served proxy can reach;
 * ``bare``     -- wrk -> the least a Python relay can do: a Starlette route under uvicorn forwarding
-  the bytes through one ``aiohttp.ClientSession`` (the proxy's client), no parsing, no recording
-  (``bench.bare_forward``). Rolltap's CPU per call over this one's is
-  its overhead target (<= 1.25x non-streamed, <= 1.1x streamed, recording included);
+  the bytes through one ``aiohttp.ClientSession`` (the proxy's client until 2026-12-07), no parsing,
+  no recording (``bench.bare_forward``). Rolltap's CPU per call over this one's is
+  issue 23's overhead target (<= 1.5x non-streamed, <= 1.2x streamed, recording included);
+* ``bare-rolltap`` -- the same relay on the proxy's own client (``proxy.upstream``): Rolltap's CPU
+  per call over this one's is what recording and routing cost, the client left out;
 * ``sqlite``   -- wrk -> ``rolltap-proxy`` (the real CLI, a subprocess) recording to SQLite;
 * ``postgres`` -- the same, recording to PostgreSQL (a fresh database, dropped afterwards);
 * ``litellm``  -- wrk -> LiteLLM's proxy server (``litellm --config cfg.yaml``, one worker),
@@ -89,11 +91,12 @@ from bench.harness import (
 )
 
 MODEL = "tiny"
-ALL_TARGETS = ("direct", "floor", "bare", "sqlite", "postgres", "litellm", "agl")
+ALL_TARGETS = ("direct", "floor", "bare", "bare-rolltap", "sqlite", "postgres", "litellm", "agl")
 LABELS = {
     "direct": "direct",
     "floor": "uvicorn floor (no proxying)",
     "bare": "bare forward (aiohttp, no parsing, no recording)",
+    "bare-rolltap": "bare forward (Rolltap's client, no parsing, no recording)",
     "sqlite": "Rolltap, SQLite",
     "postgres": "Rolltap, PostgreSQL",
     "litellm": "LiteLLM proxy",
@@ -572,6 +575,11 @@ def evaluate(med: dict[tuple[str, int, str], Cell]) -> list[str]:
             out.append(f"- {mode}: server CPU per call at concurrency 32 (SQLite) = {x:.2f}× the bare relay's "
                        f"({s32.cpu_us:,.0f} vs {b32.cpu_us:,.0f} µs; target <= {target}×): "
                        f"{'MET' if x <= target else 'NOT MET'}")
+        r32 = med.get((mode, 32, "bare-rolltap"))
+        if s32 and r32 and s32.cpu_us and r32.cpu_us:
+            out.append(f"- {mode}: server CPU per call at concurrency 32 (SQLite) = {s32.cpu_us / r32.cpu_us:.2f}× "
+                       f"the bare relay's on Rolltap's own client ({s32.cpu_us:,.0f} vs {r32.cpu_us:,.0f} µs): "
+                       "recording and routing alone")
         f32 = med.get((mode, 32, "floor"))
         if f32 and d32:
             out.append(f"- {mode}: the uvicorn floor (an ASGI app answering from memory, no proxying) reaches "
@@ -679,12 +687,11 @@ def main(argv: list[str] | None = None) -> int:
                                                               cpus=None if pin_cpu is None else {pin_cpu})
                 servers.append(Server("floor", floor_url, lambda rid: None, "/v1/chat/completions", None,
                                       stop_floor, cpu_pid=_replica_pid("asgi")))
-            elif t == "bare":
-                fwd = start_bare_forward(replica_url, 1024)
+            elif t in ("bare", "bare-rolltap"):
+                fwd = start_bare_forward(replica_url, 1024, "aiohttp" if t == "bare" else "rolltap")
                 if pin_cpu is not None:
                     os.sched_setaffinity(fwd.proc.pid, {pin_cpu})
-                servers.append(Server("bare", fwd.url, lambda rid: None, "/v1/chat/completions", fwd.proc,
-                                      fwd.stop))
+                servers.append(Server(t, fwd.url, lambda rid: None, "/v1/chat/completions", fwd.proc, fwd.stop))
             elif t == "sqlite":
                 servers.append(start_rolltap("sqlite", replica_url, f"sqlite:///{work / 'rolltap.db'}", work, pin_cpu,
                                              settings))

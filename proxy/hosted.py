@@ -97,11 +97,8 @@ class _HostedResponse(UpstreamResponse):
             raise _map_error(exc) from exc
         yield b"data: [DONE]\n\n"
 
-    def close(self) -> None:
-        pass  # the Router holds no connection of ours to drop
-
     def release(self) -> None:
-        pass
+        pass  # the Router holds no connection of ours
 
 
 def _map_error(exc: BaseException) -> RolltapError:

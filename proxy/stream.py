@@ -106,6 +106,6 @@ class RelayStream(Response):
             # Cancelled before anything else can run: from here on the watcher cannot cancel us.
             if watcher is not None:
                 watcher.cancel()
-            self._source.close()
+            self._source.release()  # dropped unless it came whole: the replica aborts the request
             with anyio.CancelScope(shield=True):
                 await self._relay.record(call)

@@ -1,13 +1,14 @@
 """The one HTTP client to the replicas, and the one place its errors are mapped.
 
-aiohttp was chosen over httpx by measurement (results in `docs/benchmarks.md`, "Upstream
-HTTP client"). One `ClientSession` per process, keep-alive, explicit limits
-and timeouts. Bodies are passed as bytes and read as bytes: nothing is re-encoded.
+Connections are `proxy.http1`'s (keep-alive, explicit limits and time limits; chosen over aiohttp,
+and aiohttp over httpx before it, by measurement: docs/benchmarks.md). Bodies are passed as bytes
+and read as bytes: nothing is re-encoded, and the replica is asked for no content encoding.
 
-Nothing of aiohttp leaves this module: `Upstream.post` answers an `UpstreamResponse`
-(status, headers, `read()`, `aiter()`, `close()`, `release()`), and every transport
-failure, at any point of a call, is one of our errors (`upstream_errors`). Hosted models
-(`proxy.hosted`) answer the same type, so the relay serves both alike.
+`Upstream.post` answers an `UpstreamResponse` (status, content type, `read()`, `aiter()`,
+`release()`), and every transport failure, at any point of a call, is one of our errors: before
+the answer's headers `UpstreamUnavailable` (503, tried on another replica) or `UpstreamTimeout`
+(504); after them `UpstreamDisconnected` or `UpstreamTimeout`. Hosted models (`proxy.hosted`)
+answer the same type, so the relay serves both alike.
 """
 
 from __future__ import annotations
@@ -15,18 +16,29 @@ from __future__ import annotations
 import abc
 import asyncio
 from collections.abc import AsyncIterator, Mapping
-from contextlib import asynccontextmanager
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-import aiohttp
-
+from proxy.http1 import (
+    BadResponse,
+    BadURL,
+    CallTimeout,
+    ConnectTimeout,
+    Connection,
+    Pool,
+    ReadTimeout,
+    ReplicaClosed,
+    Target,
+)
 from shared.errors import UpstreamDisconnected, UpstreamTimeout, UpstreamUnavailable
 from shared.settings import ProxySettings
 
-__all__ = ["Upstream", "UpstreamResponse", "shown_url", "upstream_errors"]
+__all__ = ["Upstream", "UpstreamResponse", "shown_url"]
 
 JSON_HEADERS = {"content-type": "application/json", "accept": "*/*"}  # the client's Accept-Encoding is never forwarded
+# Below vLLM's 5 s idle timeout (uvicorn's default), so a request does not land on a socket the
+# replica is closing.
+KEEPALIVE_S = 4.0
 
 
 def shown_url(url: str) -> str:
@@ -41,20 +53,23 @@ def shown_url(url: str) -> str:
     return urlunsplit(parts._replace(netloc="***@" + parts.netloc.rpartition("@")[2]))
 
 
-@asynccontextmanager
-async def upstream_errors(replica: str) -> AsyncIterator[None]:
-    """Map transport failures to Rolltap errors (503 unreachable, 504 silent)."""
-    try:
-        yield
-    except (asyncio.TimeoutError, aiohttp.ServerTimeoutError) as exc:
-        raise UpstreamTimeout(f"replica {shown_url(replica)} did not answer in time (proxy.limits.call_timeout_s, "
-                             "proxy.read_timeout_s)", code="call_timeout") from exc
-    except aiohttp.ClientError as exc:
-        shown = shown_url(replica)  # an error's text may hold the URL too (aiohttp's InvalidURL does)
-        raise UpstreamUnavailable(f"replica {shown} unreachable: {exc.__class__.__name__}: "
-                                  f"{str(exc).replace(replica, shown)}") from exc
-    except OSError as exc:
-        raise UpstreamUnavailable(f"replica {shown_url(replica)} unreachable: {exc}") from exc
+def _mapped(exc: BaseException, replica: str, *, answering: bool, call_timeout_s: float,
+            read_timeout_s: float) -> UpstreamUnavailable | UpstreamTimeout | UpstreamDisconnected:
+    """Our error for a transport failure; `answering`: the answer's headers had come."""
+    if isinstance(exc, CallTimeout):
+        return UpstreamTimeout(f"replica {replica} did not finish the response within {call_timeout_s:g} s "
+                               "(proxy.limits.call_timeout_s)", code="call_timeout")
+    if isinstance(exc, ReadTimeout):
+        return UpstreamTimeout(f"replica {replica} sent nothing for {read_timeout_s:g} s (proxy.read_timeout_s)",
+                               code="call_timeout")
+    if answering:
+        return UpstreamDisconnected(f"replica {replica} failed mid-response: {exc.__class__.__name__}: {exc}")
+    if isinstance(exc, ConnectTimeout):  # nothing was sent: another replica may take it
+        return UpstreamUnavailable(f"replica {replica} unreachable: {exc} (proxy.connect_timeout_s)")
+    return UpstreamUnavailable(f"replica {replica} unreachable: {exc.__class__.__name__}: {exc}")
+
+
+_TRANSPORT_ERRORS = (OSError, BadResponse, BadURL)  # TimeoutError and ReplicaClosed are OSErrors
 
 
 class UpstreamResponse(abc.ABC):
@@ -79,101 +94,110 @@ class UpstreamResponse(abc.ABC):
         """The body's chunks as they arrive."""
 
     @abc.abstractmethod
-    def close(self) -> None:
-        """Drop the connection: a replica aborts the request (the client left, or it failed)."""
-
-    @abc.abstractmethod
     def release(self) -> None:
-        """Give the connection back for reuse (the body was read whole, or is not wanted)."""
+        """Done with the answer, read or not: its connection is kept for reuse if the answer came whole,
+        else dropped, and with it the replica's request (the client left, or the call failed)."""
 
 
-class _AiohttpResponse(UpstreamResponse):
-    __slots__ = ("_response", "_replica", "_call_timeout_s", "status", "content_type")
+class _ReplicaResponse(UpstreamResponse):
+    __slots__ = ("_upstream", "_connection", "_replica", "_returned", "status", "content_type")
 
-    def __init__(self, response: aiohttp.ClientResponse, replica: str, call_timeout_s: float) -> None:
-        self._response = response
+    def __init__(self, upstream: Upstream, connection: Connection, replica: str) -> None:
+        self._upstream = upstream
+        self._connection = connection
         self._replica = replica  # as shown: no credentials
-        self._call_timeout_s = call_timeout_s
-        self.status = response.status
-        self.content_type = response.headers.get("content-type", "")
+        self._returned = False
+        self.status = connection.status
+        self.content_type = connection.content_type.decode("latin-1")
 
     async def read(self) -> bytes:
+        connection = self._connection
+        parts = []
         try:
-            return await self._response.read()
-        except asyncio.CancelledError:
-            self._response.close()  # the client left: the replica drops the request with the connection
-            raise
-        except (asyncio.TimeoutError, aiohttp.ClientError, OSError) as exc:
-            self._response.close()
-            raise self._failed(exc, "mid-response") from exc
+            while part := await connection.body_part():
+                parts.append(part)
+        except _TRANSPORT_ERRORS as exc:
+            raise self._upstream.mapped(exc, self._replica, answering=True) from exc
         finally:
-            self._response.release()
+            self.release()  # reused if whole, else dropped (a cancelled read: the client left)
+        return parts[0] if len(parts) == 1 else b"".join(parts)
 
     async def aiter(self) -> AsyncIterator[bytes]:
+        connection = self._connection
         try:
-            async for chunk in self._response.content.iter_any():
-                yield chunk
-        except (asyncio.TimeoutError, aiohttp.ClientError, OSError) as exc:
-            raise self._failed(exc, "mid-stream") from exc
-
-    def _failed(self, exc: Exception, where: str) -> UpstreamTimeout | UpstreamDisconnected:
-        if isinstance(exc, asyncio.TimeoutError):  # aiohttp's ServerTimeoutError is one too
-            return UpstreamTimeout(f"replica {self._replica} did not finish the response within "
-                                   f"{self._call_timeout_s:g} s (proxy.limits.call_timeout_s)", code="call_timeout")
-        return UpstreamDisconnected(f"replica {self._replica} failed {where}: {exc.__class__.__name__}")
-
-    def close(self) -> None:
-        self._response.close()
+            while part := await connection.body_part():
+                yield part
+        except _TRANSPORT_ERRORS as exc:
+            raise self._upstream.mapped(exc, self._replica, answering=True) from exc
 
     def release(self) -> None:
-        self._response.release()
+        if not self._returned:
+            self._returned = True
+            self._upstream.pool.release(self._connection)
 
 
 class Upstream:
     def __init__(self, settings: ProxySettings) -> None:
         self._settings = settings
-        self._session: aiohttp.ClientSession | None = None
+        self._call_timeout_s = settings.limits.call_timeout_s
+        self._read_timeout_s = settings.read_timeout_s
+        self._pool: Pool | None = None
+        self._targets: dict[str, Target] = {}
 
     @property
-    def session(self) -> aiohttp.ClientSession:
-        if self._session is None:
-            # Created lazily so it binds to the running loop (uvicorn's), not the importer's.
-            # keepalive 4 s: below vLLM's 5 s idle timeout, or a POST can land on a socket the
-            # replica is closing (aiohttp never retries a POST).
-            connector = aiohttp.TCPConnector(
-                limit=self._settings.max_connections, limit_per_host=0, keepalive_timeout=4.0,
-                ttl_dns_cache=300, enable_cleanup_closed=True,
-            )
-            # total: a call's whole time, headers to last byte (`limits.call_timeout_s`), set once here
-            # so no call pays for a timeout object of its own.
-            timeout = aiohttp.ClientTimeout(
-                total=self._settings.limits.call_timeout_s, connect=self._settings.connect_timeout_s,
-                sock_read=self._settings.read_timeout_s,
-            )
-            # auto_decompress off: bytes go to the client exactly as the replica sent them.
-            # identity encoding + no auto-decompression: the recorder parses what the client gets.
-            self._session = aiohttp.ClientSession(
-                connector=connector, timeout=timeout, auto_decompress=False, raise_for_status=False,
-                headers={"accept-encoding": "identity"}, trust_env=False, cookie_jar=aiohttp.DummyCookieJar(),
-            )
-        return self._session
+    def pool(self) -> Pool:
+        if self._pool is None:  # created on first use, inside the running loop
+            self._pool = Pool(limit=self._settings.max_connections, keepalive_s=KEEPALIVE_S,
+                              connect_timeout_s=self._settings.connect_timeout_s)
+        return self._pool
+
+    def mapped(self, exc: BaseException, replica: str, *, answering: bool) -> UpstreamUnavailable | UpstreamTimeout | UpstreamDisconnected:
+        return _mapped(exc, replica, answering=answering, call_timeout_s=self._call_timeout_s,
+                       read_timeout_s=self._read_timeout_s)
 
     async def post(self, replica: str, path: str, body: bytes, headers: Mapping[str, str] | None = None) -> UpstreamResponse:
         """Send a request; returns once the status line and headers arrived. The caller closes or releases it."""
-        async with upstream_errors(replica):
-            response = await self.session.post(replica + path, data=body, headers=headers or JSON_HEADERS)
-        return _AiohttpResponse(response, shown_url(replica), self._settings.limits.call_timeout_s)
+        return await self._exchange(replica, b"POST", path, headers or JSON_HEADERS, body, self._call_timeout_s)
 
     async def get(self, replica: str, path: str, timeout_s: float | None = None) -> tuple[int, bytes, str]:
-        timeout = aiohttp.ClientTimeout(total=timeout_s) if timeout_s else None
-        async with upstream_errors(replica):
-            async with self.session.get(replica + path, timeout=timeout) as resp:
-                return resp.status, await resp.read(), resp.headers.get("content-type", "application/json")
+        response = await self._exchange(replica, b"GET", path, {"accept": "*/*"}, None,
+                                         timeout_s or self._call_timeout_s)
+        return response.status, await response.read(), response.content_type or "application/json"
+
+    async def _exchange(self, replica: str, method: bytes, path: str, headers: Mapping[str, str], body: bytes | None,
+                        call_timeout_s: float) -> _ReplicaResponse:
+        pool = self.pool
+        fresh = False
+        while True:
+            connection: Connection | None = None
+            try:
+                target = self._targets.get(replica)
+                if target is None:
+                    target = self._targets[replica] = Target(replica)
+                connection = await pool.connection(target, fresh=fresh)
+                connection.send(target.request(method, path, headers, body), call_timeout_s, self._read_timeout_s)
+                await connection.response_head()
+                return _ReplicaResponse(self, connection, shown_url(replica))
+            except _TRANSPORT_ERRORS as exc:
+                if connection is not None:
+                    pool.release(connection)
+                    # A kept-alive connection the replica closed before answering: once more, on a new one.
+                    if (isinstance(exc, ReplicaClosed) and connection.uses > 1 and connection.untouched
+                            and not fresh):
+                        fresh = True
+                        continue
+                raise self.mapped(exc, shown_url(replica), answering=False) from exc
+            except BaseException:
+                if connection is not None:
+                    connection.abort()  # cancelled while awaiting the answer: the replica drops the request
+                    pool.release(connection)
+                raise
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
+            await asyncio.sleep(0)  # the aborted sockets close on the loop's next turn: let it come
 
 
 def forwardable_headers(headers: Any) -> dict[str, str]:
