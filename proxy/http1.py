@@ -82,8 +82,14 @@ class Target:
         self.port = port or (443 if self.tls else 80)
         self.key = (self.host, self.port, self.tls)
         self.prefix = parts.path.rstrip("/").encode()
-        authority = parts.netloc.rpartition("@")[2]
-        fixed = b"host: " + authority.encode("idna") + b"\r\naccept-encoding: identity\r\n"
+        try:
+            authority = parts.netloc.rpartition("@")[2].encode("ascii")
+        except UnicodeEncodeError:
+            try:
+                authority = parts.netloc.rpartition("@")[2].encode("idna")  # an internationalised host name
+            except UnicodeError as exc:
+                raise BadURL(f"host name not encodable: {exc}") from None
+        fixed = b"host: " + authority + b"\r\naccept-encoding: identity\r\n"
         if parts.username is not None or parts.password is not None:
             secret = f"{unquote(parts.username or '')}:{unquote(parts.password or '')}".encode()
             fixed += b"authorization: Basic " + base64.b64encode(secret) + b"\r\n"

@@ -26,7 +26,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from proxy.http1 import HIGH_WATER, Pool, Target
+from proxy.http1 import HIGH_WATER, BadURL, Pool, Target
 from proxy.upstream import Upstream
 from shared.errors import UpstreamDisconnected, UpstreamTimeout, UpstreamUnavailable
 from shared.settings import ProxySettings
@@ -483,3 +483,20 @@ async def _https_replica_verified_against_the_trusted_roots(tmp_path: Path, monk
         finally:
             await trusted.close()
     assert replica.stats.requests == 1
+
+
+# Replica URLs
+
+def test_replica_urls_parsed_once_into_requests() -> None:
+    ipv6 = Target("http://[::1]:8000/base/")
+    assert ipv6.key == ("::1", 8000, False)
+    assert ipv6.request(b"GET", "/v1/models", {}, None) == (
+        b"GET /base/v1/models HTTP/1.1\r\nhost: [::1]:8000\r\naccept-encoding: identity\r\n\r\n")
+    assert Target("https://bücher.example").key == ("bücher.example", 443, True)
+    assert Target("https://bücher.example").fixed.startswith(b"host: xn--bcher-kva.example\r\n")
+    posted = Target("http://u:pw@h").request(b"POST", "/v1/x", {"content-type": "application/json"}, b"{}")
+    assert posted == (b"POST /v1/x HTTP/1.1\r\nhost: h\r\naccept-encoding: identity\r\nauthorization: Basic dTpwdw==\r\n"
+                      b"content-type: application/json\r\ncontent-length: 2\r\n\r\n{}")
+    for bad in ("ftp://h", "http://h:99999", "http://", "h:8000"):
+        with pytest.raises(BadURL):
+            Target(bad)
