@@ -25,6 +25,10 @@ class Chat(OpenAIFormat):
     def _ask_for_logprobs(self, body: Json) -> None:
         if body.get("logprobs"):
             return  # the client's own: answered as it asked
+        if body.get("top_logprobs") not in (None, 0) or body.get("logprob_token_ids"):
+            # Options that need `logprobs`, without it: an error in OpenAI's API and vLLM's. Turned on
+            # here, the agent would get an answer it cannot get anywhere else; left off, it gets vLLM's 400.
+            return
         body["logprobs"] = True
         mark_ids_only(body)
 

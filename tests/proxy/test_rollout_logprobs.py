@@ -168,3 +168,22 @@ def test_completions_logprobs_the_proxy_asks_for_are_token_ids_only(vllm_replica
         assert call["completion_logprobs"] == pytest.approx(values, abs=1e-5)
     assert echoed.json()["choices"][0]["text"] == request["prompt"] + choice["text"]
     assert echo_call["status"] == "ok" and echo_call["completion_token_ids"] is None
+
+
+@pytest.mark.vllm
+def test_logprob_options_without_logprobs_get_the_replicas_error(vllm_replica: Any, proxy_for: ProxyFactory) -> None:
+    """`top_logprobs` (or `logprob_token_ids`) without `logprobs` is refused by OpenAI and vLLM alike; the
+    proxy's own ask for logprobs must not turn it into an answer the agent cannot get directly."""
+    request = {"model": "tiny", "messages": MESSAGES, "max_tokens": 4, "temperature": 0}
+    with proxy_for([vllm_replica.url]) as proxy, httpx.Client(timeout=60) as http:
+        for extra in ({"top_logprobs": 2}, {"logprob_token_ids": [5]}):
+            direct = http.post(f"{vllm_replica.url}/v1/chat/completions", json={**request, **extra})
+            via = http.post(f"{proxy.base_url('r-opt', 'a0')}/chat/completions", json={**request, **extra})
+            assert direct.status_code == via.status_code == 400, (direct.text, via.text)
+            assert via.json()["error"]["message"] == direct.json()["error"]["message"]
+        # top_logprobs 0 needs no logprobs: answered, and recorded with the proxy's own logprobs.
+        zero = http.post(f"{proxy.base_url('r-opt', 'a0')}/chat/completions", json={**request, "top_logprobs": 0})
+        assert zero.status_code == 200, zero.text
+        calls = http.get(f"{proxy.url}/rollout/r-opt/attempt/a0").json()["calls"]
+    assert [c["http_status"] for c in calls] == [400, 400, 200]
+    assert calls[2]["completion_logprobs"] and len(calls[2]["completion_logprobs"]) == len(calls[2]["completion_token_ids"])

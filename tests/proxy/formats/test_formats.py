@@ -60,6 +60,10 @@ def test_only_the_last_chunk_of_a_capture_is_terminal(streamed: str) -> None:
     (Route.CHAT, True, {"logprobs": True, "top_logprobs": 2}, {"return_token_ids": True, "logprobs": True,
                                                                "top_logprobs": 2}),
     (Route.CHAT, True, {"prompt_logprobs": 0}, {"return_token_ids": True, "logprobs": True, "prompt_logprobs": 0}),
+    (Route.CHAT, True, {"top_logprobs": 2}, {"return_token_ids": True, "top_logprobs": 2}),  # vLLM's 400 stands
+    (Route.CHAT, True, {"logprob_token_ids": [5]}, {"return_token_ids": True, "logprob_token_ids": [5]}),
+    (Route.CHAT, True, {"top_logprobs": 0}, {"return_token_ids": True, "top_logprobs": 0, "logprobs": True,
+                                             "return_tokens_as_token_ids": True, "vllm_xargs": {"rolltap_ids_only": 1}}),
     (Route.CHAT, False, {}, {"return_token_ids": True}),
     (Route.COMPLETIONS, True, {}, {"return_token_ids": True, "logprobs": 0, "return_tokens_as_token_ids": True,
                                    "vllm_xargs": {"rolltap_ids_only": 1}}),
