@@ -500,3 +500,37 @@ def test_replica_urls_parsed_once_into_requests() -> None:
     for bad in ("ftp://h", "http://h:99999", "http://", "h:8000"):
         with pytest.raises(BadURL):
             Target(bad)
+
+
+def test_the_call_limit_while_reading_is_paused(run: Run) -> None:
+    run(_the_call_limit_while_reading_is_paused())
+
+
+async def _the_call_limit_while_reading_is_paused() -> None:
+    # A consumer slow enough that the whole-call limit passes while reading is paused (a pause stops
+    # the silence clock, not the call's): the limit drops the connection; what had come is handed
+    # on, then our timeout.
+    async def flood_then_hold(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+        chunk = b"x" * (1 << 16)
+        for _ in range(256):
+            writer.write(b"%x\r\n" % len(chunk) + chunk + b"\r\n")
+            await writer.drain()
+        await asyncio.sleep(5)
+
+    client = upstream(limits={"call_timeout_s": 0.5})
+    async with raw_server(flood_then_hold) as (url, _):
+        try:
+            response = await client.post(url, "/v1/x", b"{}")
+            chunks = response.aiter()
+            got = len(await chunks.__anext__())
+            await asyncio.sleep(0.8)  # paused past HIGH_WATER, and past the call's limit
+            with pytest.raises(UpstreamTimeout, match="proxy.limits.call_timeout_s"):
+                async for part in chunks:
+                    got += len(part)
+            assert HIGH_WATER <= got < 256 << 16
+            response.release()
+            assert client.pool.in_use == 0
+        finally:
+            await client.close()
