@@ -156,7 +156,7 @@ class Upstream:
                        read_timeout_s=self._read_timeout_s)
 
     async def post(self, replica: str, path: str, body: bytes, headers: Mapping[str, str] | None = None) -> UpstreamResponse:
-        """Send a request; returns once the status line and headers arrived. The caller closes or releases it."""
+        """Send a request; returns once the status line and headers arrived. The caller releases it."""
         return await self._exchange(replica, b"POST", path, headers or JSON_HEADERS, body, self._call_timeout_s)
 
     async def get(self, replica: str, path: str, timeout_s: float | None = None) -> tuple[int, bytes, str]:
