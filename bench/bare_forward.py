@@ -25,7 +25,7 @@ import os
 import socket
 import subprocess
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -45,13 +45,39 @@ KEEPALIVE_EXPIRY_S = 4.0  # below vLLM's 5 s idle keep-alive: never reuse a sock
 UPSTREAM_HEADERS = {"content-type": "application/json", "accept-encoding": "identity"}
 
 
+def _relay_app(completions: Any, start: Callable[[], Awaitable[None]], stop: Callable[[], Awaitable[None]]) -> Any:
+    """The Starlette app both relays share: the two completion routes on `completions`, a health
+    route, and the client's `start` and `stop` around the app's life (inside the running loop)."""
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import Response
+    from starlette.routing import Route
+
+    async def health(request: Request) -> Response:
+        return Response(b"", 200)
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        await start()
+        try:
+            yield
+        finally:
+            await stop()
+
+    return Starlette(routes=[Route("/v1/chat/completions", completions, methods=["POST"]),
+                             Route("/v1/completions", completions, methods=["POST"]),
+                             Route("/health", health, methods=["GET"])], lifespan=lifespan)
+
+
+async def _nothing() -> None:
+    return None
+
+
 def build_rolltap_client_app(upstream: str, max_connections: int) -> Any:
     """The same relay on `proxy.upstream.Upstream`: status, content type and bytes passed on as they come."""
-    from starlette.applications import Starlette
     from starlette.background import BackgroundTask
     from starlette.requests import Request
     from starlette.responses import Response, StreamingResponse
-    from starlette.routing import Route
 
     from proxy.upstream import JSON_HEADERS, Upstream
     from shared.settings import ProxySettings
@@ -69,27 +95,13 @@ def build_rolltap_client_app(upstream: str, max_connections: int) -> Any:
 
         return StreamingResponse(r.aiter(), r.status, media_type=r.content_type, background=BackgroundTask(release))
 
-    async def health(request: Request) -> Response:
-        return Response(b"", 200)
-
-    @asynccontextmanager
-    async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        try:
-            yield
-        finally:
-            await client.close()
-
-    return Starlette(routes=[Route("/v1/chat/completions", completions, methods=["POST"]),
-                             Route("/v1/completions", completions, methods=["POST"]),
-                             Route("/health", health, methods=["GET"])], lifespan=lifespan)
+    return _relay_app(completions, _nothing, client.close)
 
 
 def build_app(upstream: str, max_connections: int) -> Any:
-    from starlette.applications import Starlette
     from starlette.background import BackgroundTask
     from starlette.requests import Request
     from starlette.responses import Response, StreamingResponse
-    from starlette.routing import Route
 
     state: dict[str, aiohttp.ClientSession] = {}
     urls: dict[str, yarl.URL] = {}
@@ -125,26 +137,18 @@ def build_app(upstream: str, max_connections: int) -> Any:
         return StreamingResponse(chunks(), r.status, media_type=r.headers.get("content-type"),
                                  background=BackgroundTask(release))
 
-    async def health(request: Request) -> Response:
-        return Response(b"", 200)
-
-    @asynccontextmanager
-    async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        # Made inside the running loop: the connector binds to it.
+    async def start() -> None:  # the connector binds to the running loop
         state["session"] = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=max_connections, limit_per_host=0,
                                            keepalive_timeout=KEEPALIVE_EXPIRY_S, ttl_dns_cache=300),
             timeout=aiohttp.ClientTimeout(total=None, connect=POOL_TIMEOUT_S, sock_connect=CONNECT_TIMEOUT_S,
                                           sock_read=READ_TIMEOUT_S),
             headers=UPSTREAM_HEADERS, auto_decompress=False, trust_env=False, cookie_jar=aiohttp.DummyCookieJar())
-        try:
-            yield
-        finally:
-            await state["session"].close()
 
-    return Starlette(routes=[Route("/v1/chat/completions", completions, methods=["POST"]),
-                             Route("/v1/completions", completions, methods=["POST"]),
-                             Route("/health", health, methods=["GET"])], lifespan=lifespan)
+    async def stop() -> None:
+        await state["session"].close()
+
+    return _relay_app(completions, start, stop)
 
 
 @dataclasses.dataclass

@@ -80,6 +80,29 @@ def _write_all(fd: int, pieces: list[bytes], size: int) -> None:
         view = view[os.write(fd, view):]
 
 
+def _bytes(value: Any) -> str:
+    """orjson's `default` for a record's exact bodies: base64, as `CallRecord.from_json` reads them."""
+    if isinstance(value, bytes):
+        return base64.b64encode(value).decode()
+    raise TypeError
+
+
+def _dumps_row_exact(row: dict[str, Any]) -> bytes:
+    """A record's row through `dumps_exact` (lone surrogates, wide numbers), which writes no datetimes
+    or bytes: those are made text first, as orjson would write them."""
+    row = dict(row)
+    for name in _TIME_FIELDS:
+        if row[name] is not None:
+            row[name] = row[name].isoformat()
+    for name in _BYTE_FIELDS:
+        if row[name] is not None:
+            row[name] = _bytes(row[name])
+    try:
+        return dumps_exact(row)
+    except ExactJsonError:  # nested too deep to write: the exact bodies carry it
+        return dumps_exact({**row, "request": None, "response": None})
+
+
 class _Batch(asyncio.Future[None]):
     """The future of one batch of lines, shared by every call in it: a waiter's cancellation (its
     client left) must not cancel it for the others. That waiter is cancelled once the batch is
@@ -281,25 +304,18 @@ class Journal:
     def ended(self, record: CallRecord, request_json: bytes | None = None) -> asyncio.Future[None] | None:
         """Journal a call's record. `request_json`: `record.request` already encoded (as sent upstream),
         spliced in rather than encoded again (an agent's request holds its whole context)."""
-        # A shallow dict in `CallRecord.from_json`'s encoding (RFC 3339 datetimes, base64 bytes)
-        # rather than `to_json`, whose deep copy (`asdict`) cost ~100x the encoding. `dumps_exact`:
-        # what a client or model sent (lone surrogates, huge numbers) is journaled exactly too.
+        # A shallow dict in `CallRecord.from_json`'s encoding, made by orjson itself (RFC 3339 datetimes,
+        # base64 bytes through `_bytes`) rather than `to_json`, whose deep copy (`asdict`) cost ~100x the
+        # encoding. `dumps_exact`: what a client or model sent (lone surrogates, huge numbers) is
+        # journaled exactly too.
         row = dict(zip(_FIELDS, _values(record), strict=True))
-        for name in _TIME_FIELDS:
-            if row[name] is not None:
-                row[name] = row[name].isoformat()
-        for name in _BYTE_FIELDS:
-            if row[name] is not None:
-                row[name] = base64.b64encode(row[name]).decode()
-        line = None
         if request_json is not None and row["request"] is not None:
-            with contextlib.suppress(TypeError, orjson.JSONEncodeError):  # what only `dumps_exact` writes
-                line = orjson.dumps({**row, "request": orjson.Fragment(request_json)})
-        if line is None:
-            try:
-                line = dumps_exact(row)
-            except ExactJsonError:  # nested too deep to write: the exact bodies carry it
-                line = dumps_exact({**row, "request": None, "response": None})
+            row["request"] = orjson.Fragment(request_json)
+        try:
+            line = orjson.dumps(row, default=_bytes)
+        except TypeError:  # orjson's JSONEncodeError too: what only `dumps_exact` writes
+            row["request"] = record.request
+            line = _dumps_row_exact(row)
         self._held_here(record.call_id)
         return self._enqueue(b'{"e":', line, b"}\n")
 

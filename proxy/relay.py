@@ -139,8 +139,8 @@ class Relay:
                 await self._cluster.before_upstream(call.call_id, call.lease)
             watcher = asyncio.get_running_loop().create_task(
                 self._watch_disconnect(request, call, asyncio.current_task()))
-            await self._written(journaled)  # nothing goes upstream before its start line is on disk
             if self._hosted is not None and (model := self._hosted.model_of(raw)) is not None:
+                await self._written(journaled)  # nothing goes upstream before its start line is on disk
                 response = await self._send_hosted(call, raw, model)
             else:
                 if not self._policy.is_known and self._on_policy_unknown is not None and rollout_id is not None:
@@ -150,8 +150,12 @@ class Relay:
                 if call.span is not None:  # no per-call work at all while tracing is off
                     headers |= self._trace_headers(call)
                 payload = call.payload = self._payload(call, body)
-                if self._journal is not None:  # nor before its request line is
-                    await self._written(self._local_write(self._journal.request, call.call_id, payload))
+                # Nothing goes upstream before its start and request lines are on disk. The request
+                # line is queued before either is awaited, so both usually go out in one write.
+                asked = None if self._journal is None else self._local_write(self._journal.request, call.call_id,
+                                                                             payload)
+                await self._written(journaled)
+                await self._written(asked)
                 response = await self._send(call, payload, headers)
             if response.is_stream:
                 finishes_later = True

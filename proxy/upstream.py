@@ -53,22 +53,6 @@ def shown_url(url: str) -> str:
     return urlunsplit(parts._replace(netloc="***@" + parts.netloc.rpartition("@")[2]))
 
 
-def _mapped(exc: BaseException, replica: str, *, answering: bool, call_timeout_s: float,
-            read_timeout_s: float) -> UpstreamUnavailable | UpstreamTimeout | UpstreamDisconnected:
-    """Our error for a transport failure; `answering`: the answer's headers had come."""
-    if isinstance(exc, CallTimeout):
-        return UpstreamTimeout(f"replica {replica} did not finish the response within {call_timeout_s:g} s "
-                               "(proxy.limits.call_timeout_s)", code="call_timeout")
-    if isinstance(exc, ReadTimeout):
-        return UpstreamTimeout(f"replica {replica} sent nothing for {read_timeout_s:g} s (proxy.read_timeout_s)",
-                               code="call_timeout")
-    if answering:
-        return UpstreamDisconnected(f"replica {replica} failed mid-response: {exc.__class__.__name__}: {exc}")
-    if isinstance(exc, ConnectTimeout):  # nothing was sent: another replica may take it
-        return UpstreamUnavailable(f"replica {replica} unreachable: {exc} (proxy.connect_timeout_s)")
-    return UpstreamUnavailable(f"replica {replica} unreachable: {exc.__class__.__name__}: {exc}")
-
-
 _TRANSPORT_ERRORS = (OSError, BadResponse, BadURL)  # TimeoutError and ReplicaClosed are OSErrors
 
 
@@ -142,7 +126,7 @@ class Upstream:
         self._call_timeout_s = settings.limits.call_timeout_s
         self._read_timeout_s = settings.read_timeout_s
         self._pool: Pool | None = None
-        self._targets: dict[str, Target] = {}
+        self._targets: dict[str, tuple[Target, str]] = {}  # replica URL -> where it is, how it is shown
 
     @property
     def pool(self) -> Pool:
@@ -151,9 +135,20 @@ class Upstream:
                               connect_timeout_s=self._settings.connect_timeout_s)
         return self._pool
 
-    def mapped(self, exc: BaseException, replica: str, *, answering: bool) -> UpstreamUnavailable | UpstreamTimeout | UpstreamDisconnected:
-        return _mapped(exc, replica, answering=answering, call_timeout_s=self._call_timeout_s,
-                       read_timeout_s=self._read_timeout_s)
+    def mapped(self, exc: BaseException, replica: str, *,
+               answering: bool) -> UpstreamUnavailable | UpstreamTimeout | UpstreamDisconnected:
+        """Our error for a transport failure; `replica` as shown, `answering`: the answer's headers had come."""
+        if isinstance(exc, CallTimeout):
+            return UpstreamTimeout(f"replica {replica} did not finish the response within {self._call_timeout_s:g} s "
+                                   "(proxy.limits.call_timeout_s)", code="call_timeout")
+        if isinstance(exc, ReadTimeout):
+            return UpstreamTimeout(f"replica {replica} sent nothing for {self._read_timeout_s:g} s "
+                                   "(proxy.read_timeout_s)", code="call_timeout")
+        if answering:
+            return UpstreamDisconnected(f"replica {replica} failed mid-response: {exc.__class__.__name__}: {exc}")
+        if isinstance(exc, ConnectTimeout):  # nothing was sent: another replica may take it
+            return UpstreamUnavailable(f"replica {replica} unreachable: {exc} (proxy.connect_timeout_s)")
+        return UpstreamUnavailable(f"replica {replica} unreachable: {exc.__class__.__name__}: {exc}")
 
     async def post(self, replica: str, path: str, body: bytes, headers: Mapping[str, str] | None = None) -> UpstreamResponse:
         """Send a request; returns once the status line and headers arrived. The caller releases it."""
@@ -171,13 +166,14 @@ class Upstream:
         while True:
             connection: Connection | None = None
             try:
-                target = self._targets.get(replica)
-                if target is None:
-                    target = self._targets[replica] = Target(replica)
+                found = self._targets.get(replica)
+                if found is None:
+                    found = self._targets[replica] = (Target(replica), shown_url(replica))
+                target, shown = found
                 connection = await pool.connection(target, fresh=fresh)
                 connection.send(target.request(method, path, headers, body), call_timeout_s, self._read_timeout_s)
                 await connection.response_head()
-                return _ReplicaResponse(self, connection, shown_url(replica))
+                return _ReplicaResponse(self, connection, shown)
             except _TRANSPORT_ERRORS as exc:
                 if connection is not None:
                     pool.release(connection)

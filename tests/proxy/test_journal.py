@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import signal
 import subprocess
@@ -240,3 +241,33 @@ def test_an_end_line_splices_the_request_as_sent_and_reads_back_exactly(tmp_path
     assert recovered["call-wide"].request == request and dumps_exact(recovered["call-wide"].request) == as_sent
     assert recovered["call-odd"].response == records[1].response and recovered["call-odd"].request == plain
     assert recovered["call-plain"].request == plain
+
+
+def test_an_end_line_reads_back_as_the_record_field_for_field(tmp_path: Path) -> None:
+    """orjson writes the datetimes and `_bytes` the exact bodies: recovery gives back an equal record,
+    with a lone surrogate (the exact writer's path) and without."""
+    from datetime import timedelta
+
+    from shared.verbatim import loads_exact
+
+    started = datetime(2026, 12, 7, 18, 0, 0, tzinfo=UTC)  # no microseconds: written without them
+    full = CallRecord(
+        call_id="call-full", rollout_id="r", attempt_id="a", route="chat/completions", is_streaming=True,
+        status="ok", started_at=started, ended_at=started + timedelta(microseconds=1234),
+        first_byte_at=started + timedelta(microseconds=17), http_status=200, error=None,
+        request={"messages": [{"role": "user", "content": "hi\x00"}]}, response={"choices": [{"index": 0}]},
+        response_truncated=True, request_body=b'{"messages":\xff\x00}', response_body=b"data: {}\n\n\x80",
+        prompt_token_ids=[1, 2], completion_token_ids=[3], completion_logprobs=[-0.5], finish_reason="length",
+        usage={"prompt_tokens": 2}, replica="http://***@replica:8000", policy_version=3, requested_model="m",
+        served_model="policy-3", arrival=7)
+    odd = dataclasses.replace(full, call_id="call-odd", response=loads_exact(b'{"x":"\\ud800"}'))
+    journal = Journal(tmp_path)
+    journal.open()
+    for record in (full, odd):
+        journal.started(record.call_id, "r", "a", "chat/completions", record.started_at, record.arrival)
+        journal.request(record.call_id, orjson.dumps(record.request))
+        journal.ended(record, orjson.dumps(record.request))
+    journal.close()
+    recovered = {r.call_id: r for r in recover(tmp_path).records}
+    assert recovered["call-full"] == full
+    assert recovered["call-odd"] == odd
