@@ -84,7 +84,7 @@ class CallState:
     # of a whole response at once, or from a stream as it passes.
     whole: Extract | StreamTail | None = None
     request_body: bytes | None = None  # exactly what the client sent
-    payload: bytes | None = None  # `request` as sent upstream, encoded once (the journal reuses it)
+    request_journaled: bool = False  # its request line is on disk: the journal's end line leaves it out
     span: Span | None = None  # its trace span, when tracing is on
     agent: AgentKey | None = None  # the caller's key (None with open access)
     has_slot: bool = False  # counted in `Slots` until recorded

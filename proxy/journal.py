@@ -6,6 +6,7 @@ random bits) and holds an exclusive `flock` on `<owner>.lock` for its whole life
     {"s": call_id, ...}       a call started (before admission: it may never get further)
     {"q": call_id, "request"} the request as sent upstream (the bytes already encoded for it)
     {"e": record}             the call's record, written before its last byte reaches the client
+                              (without the request when its "q" line holds it)
 
 Writes are plain `os.write` on an `O_APPEND` descriptor: the data is in the kernel's
 page cache when `write` returns, so it survives the death of the process without an
@@ -100,7 +101,7 @@ def _dumps_row_exact(row: dict[str, Any]) -> bytes:
     try:
         return dumps_exact(row)
     except ExactJsonError:  # nested too deep to write: the exact bodies carry it
-        return dumps_exact({**row, "request": None, "response": None})
+        return dumps_exact({**row, "response": None} | ({"request": None} if "request" in row else {}))
 
 
 class _Batch(asyncio.Future[None]):
@@ -301,20 +302,20 @@ class Journal:
             later.append(self._segment)
             self._segment_calls[self._segment] += 1
 
-    def ended(self, record: CallRecord, request_json: bytes | None = None) -> asyncio.Future[None] | None:
-        """Journal a call's record. `request_json`: `record.request` already encoded (as sent upstream),
-        spliced in rather than encoded again (an agent's request holds its whole context)."""
+    def ended(self, record: CallRecord, *, request_journaled: bool = False) -> asyncio.Future[None] | None:
+        """Journal a call's record. `request_journaled`: its request line (`request`) is on disk, so this
+        line leaves the request out and recovery takes it from there (an agent's request holds its whole
+        context: written once, not twice)."""
         # A shallow dict in `CallRecord.from_json`'s encoding, made by orjson itself (RFC 3339 datetimes,
         # base64 bytes through `_bytes`) rather than `to_json`, whose deep copy (`asdict`) cost ~100x the
         # encoding. `dumps_exact`: what a client or model sent (lone surrogates, huge numbers) is
         # journaled exactly too.
         row = dict(zip(_FIELDS, _values(record), strict=True))
-        if request_json is not None and row["request"] is not None:
-            row["request"] = orjson.Fragment(request_json)
+        if request_journaled and row["request"] is not None:
+            del row["request"]
         try:
             line = orjson.dumps(row, default=_bytes)
         except TypeError:  # orjson's JSONEncodeError too: what only `dumps_exact` writes
-            row["request"] = record.request
             line = _dumps_row_exact(row)
         self._held_here(record.call_id)
         return self._enqueue(b'{"e":', line, b"}\n")
@@ -434,11 +435,14 @@ def _read(segments: list[Path]) -> tuple[list[CallRecord], int]:
             except ExactJsonError:
                 continue  # the last line of a process killed mid-write
             if "e" in entry:
-                ends[entry["e"]["call_id"]] = entry["e"]
+                ends[entry["e"]["call_id"]] = entry["e"]  # its request may be in its "q" line
             elif "s" in entry:
                 starts[entry["s"]] = entry
             elif "q" in entry:
                 requests[entry["q"]] = entry["request"]
+    for call_id, end in ends.items():
+        if "request" not in end:
+            end["request"] = requests.get(call_id)
     records = [CallRecord.from_json(end) for end in ends.values()]
     interrupted = 0
     for call_id, start in starts.items():

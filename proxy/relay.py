@@ -149,13 +149,14 @@ class Relay:
                 headers = forwardable_headers(request.headers)
                 if call.span is not None:  # no per-call work at all while tracing is off
                     headers |= self._trace_headers(call)
-                payload = call.payload = self._payload(call, body)
+                payload = self._payload(call, body)
                 # Nothing goes upstream before its start and request lines are on disk. The request
                 # line is queued before either is awaited, so both usually go out in one write.
                 asked = None if self._journal is None else self._local_write(self._journal.request, call.call_id,
                                                                              payload)
                 await self._written(journaled)
                 await self._written(asked)
+                call.request_journaled = self._journal is not None  # past both awaits: on disk
                 response = await self._send(call, payload, headers)
             if response.is_stream:
                 finishes_later = True
@@ -363,7 +364,7 @@ class Relay:
         record = call.seal()
         if self._journal is not None:
             try:
-                await Journal.written(self._journal.ended(record, call.payload))
+                await Journal.written(self._journal.ended(record, request_journaled=call.request_journaled))
                 await self._journal.sync()
             except OSError:
                 # The disk filled (or failed) under a call in progress: the client still gets its

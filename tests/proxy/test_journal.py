@@ -215,7 +215,7 @@ def test_a_batch_of_more_lines_than_one_writev_takes_is_written_whole_and_in_ord
     journal.close()
 
 
-def test_an_end_line_splices_the_request_as_sent_and_reads_back_exactly(tmp_path: Path) -> None:
+def test_an_end_line_leaves_a_journaled_request_out_and_recovery_puts_it_back_exactly(tmp_path: Path) -> None:
     from shared.verbatim import dumps_exact, loads_exact
 
     journal = Journal(tmp_path)
@@ -232,15 +232,24 @@ def test_an_end_line_splices_the_request_as_sent_and_reads_back_exactly(tmp_path
                    response=loads_exact(b'{"x":"\\ud800"}')),
         CallRecord(call_id="call-plain", rollout_id="r", attempt_id="a", route="chat/completions", is_streaming=False,
                    status="ok", started_at=datetime.now(UTC), ended_at=datetime.now(UTC), request=plain),
+        # Refused before its request line (a hosted model, a full disk): the end line carries the request.
+        CallRecord(call_id="call-unsent", rollout_id="r", attempt_id="a", route="chat/completions",
+                   is_streaming=False, status="ok", started_at=datetime.now(UTC), ended_at=datetime.now(UTC),
+                   request=plain),
     ]
-    for record, sent in zip(records, [as_sent, orjson.dumps(plain), orjson.dumps(plain)], strict=True):
+    for record, sent in zip(records, [as_sent, orjson.dumps(plain), orjson.dumps(plain), None], strict=True):
         journal.started(record.call_id, "r", "a", "chat/completions", record.started_at, 0)
-        journal.ended(record, sent)
+        if sent is not None:
+            journal.request(record.call_id, sent)
+        journal.ended(record, request_journaled=sent is not None)
     journal.close()
+    # The context is on disk once: in the request line, not again in the end line.
+    assert sum(path.read_bytes().count(b"ctx ") for path in tmp_path.glob("*.jsonl")) == 1000
     recovered = {r.call_id: r for r in recover(tmp_path).records}
     assert recovered["call-wide"].request == request and dumps_exact(recovered["call-wide"].request) == as_sent
     assert recovered["call-odd"].response == records[1].response and recovered["call-odd"].request == plain
     assert recovered["call-plain"].request == plain
+    assert recovered["call-unsent"].request == plain
 
 
 def test_an_end_line_reads_back_as_the_record_field_for_field(tmp_path: Path) -> None:
@@ -266,7 +275,7 @@ def test_an_end_line_reads_back_as_the_record_field_for_field(tmp_path: Path) ->
     for record in (full, odd):
         journal.started(record.call_id, "r", "a", "chat/completions", record.started_at, record.arrival)
         journal.request(record.call_id, orjson.dumps(record.request))
-        journal.ended(record, orjson.dumps(record.request))
+        journal.ended(record, request_journaled=True)
     journal.close()
     recovered = {r.call_id: r for r in recover(tmp_path).records}
     assert recovered["call-full"] == full
