@@ -151,7 +151,7 @@ class Relay:
                     headers |= self._trace_headers(call)
                 payload = self._payload(call, body)
                 # Nothing goes upstream before its start and request lines are on disk. The request
-                # line is queued before either is awaited, so both usually go out in one write.
+                # line is queued before either is awaited: one write for both unless the body came late.
                 asked = None if self._journal is None else self._local_write(self._journal.request, call.call_id,
                                                                              payload)
                 await self._written(journaled)
