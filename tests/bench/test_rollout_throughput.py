@@ -47,12 +47,13 @@ def test_a_lora_group_serves_the_pushed_adapter_on_every_front_end(tiny_model_di
     # Two CPU servers with runtime LoRA behind the proxy and one without: the pushes go through the
     # proxy, the check proves both front ends serve the last, and then the group's direct calls ask
     # for the adapter by name (a name no front end had loaded would fail every call) and the proxy's
-    # calls are rewritten to it.
+    # calls are rewritten to it. A warm-up of 6 s: on a busy 2-core machine a server's first calls
+    # of a window took longer than 1 s of warm-up and 3 s of window together (no call, no token).
     out = tmp_path / "out.json"
     subprocess.run([sys.executable, "-m", "bench.rollout_throughput", "--start-replica", str(tiny_model_dir),
                     "--model", "tiny", "--dtype", "float32", "--server", "p=1", "--server", "l=2", "--lora-group", "l",
-                    "--paths", "direct@p,direct@l,proxy_on@l", "--loads", "2", "--rounds", "1", "--window-s", "3",
-                    "--warmup-s", "1", "--max-tokens", "8", "--procs", "2", "--db", f"sqlite:///{tmp_path}/{{name}}.db",
+                    "--paths", "direct@p,direct@l,proxy_on@l", "--loads", "2", "--rounds", "1", "--window-s", "4",
+                    "--warmup-s", "6", "--max-tokens", "8", "--procs", "2", "--db", f"sqlite:///{tmp_path}/{{name}}.db",
                     "--lora-db", f"sqlite:///{tmp_path}/lora.db", "--logs", str(tmp_path / "logs"), "--out", str(out)],
                    check=True, timeout=900)
     result = json.loads(out.read_text())
