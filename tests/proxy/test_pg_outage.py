@@ -29,7 +29,7 @@ from tests.support.proxy_process import ProxyProcess
 from tests.support.servers import free_port, serve_in_thread
 
 AGENTS, TURNS = 64, 3
-DOWN_S = 6.0  # long beside finish_timeout_s (1 s): a finish held until the database returns shows
+DOWN_S = 10.0  # long beside finish_timeout_s (1 s): a finish held until the database returns shows
 
 
 @dataclass
@@ -121,7 +121,10 @@ def test_postgres_shutdown_under_64_streaming_agents(mode: str, tmp_path: Path) 
     assert 500 not in out.finish_statuses and out.finish_statuses[200] == AGENTS
     # An outage is answered (503 + Retry-After) within `finish_timeout_s` (barrier and write share it)
     # and a margin for a 2-core machine replaying PostgreSQL's WAL: never held until the database returns.
-    assert out.slowest_503_s < 1.0 + 3.0 < DOWN_S, out.slowest_503_s
+    # The margin was 3 s with a 6 s outage. On a slower machine (2026-12-07) the slowest 503 was 2.3-3.7 s
+    # in 15 of 16 runs, this commit's and the one before's alike, 4.2 s once, and 5.2 s in a CI run beside
+    # a vLLM test; an 8 s outage (more spooled) made it 3.5-4.3 s. So: a 10 s outage, a 6 s margin.
+    assert out.slowest_503_s < 1.0 + 6.0 < DOWN_S, out.slowest_503_s
     assert statuses == {"succeeded": AGENTS}
     assert spooled > 0  # the outage was really hit by records, not dodged
     assert ready["checks"]["dead_letter_records"] == 0
