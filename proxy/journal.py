@@ -101,7 +101,10 @@ def _dumps_row_exact(row: dict[str, Any]) -> bytes:
     try:
         return dumps_exact(row)
     except ExactJsonError:  # nested too deep to write: the exact bodies carry it
-        return dumps_exact({**row, "response": None} | ({"request": None} if "request" in row else {}))
+        row["response"] = None
+        if "request" in row:  # left out when the request line holds it
+            row["request"] = None
+        return dumps_exact(row)
 
 
 class _Batch(asyncio.Future[None]):
