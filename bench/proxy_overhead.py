@@ -633,6 +633,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="a setting for the Rolltap proxies under test, as its environment variable (repeatable; "
                    "e.g. ROLLTAP_DB__SQLITE_SYNCHRONOUS=NORMAL): what a knob costs per call")
     a = p.parse_args(argv)
+    if a.out:  # before anything runs: `make bench-cpu` writes to .rolltap/, which a fresh clone lacks
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     if any(not entry.startswith("ROLLTAP_") or "=" not in entry for entry in a.setting):
         p.error("--setting: want ROLLTAP_...=VALUE")
     settings = dict(entry.partition("=")[::2] for entry in a.setting)
