@@ -17,7 +17,6 @@ from datetime import UTC, datetime, timedelta
 from operator import attrgetter, itemgetter
 from typing import Any
 
-import orjson
 from sqlalchemy import Connection, Dialect, delete, func, insert, select, text, tuple_, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncConnection
@@ -38,7 +37,7 @@ from shared.db.models import (
 )
 from shared.errors import Conflict, NotFound
 from shared.types import CallRecord, CallStatus
-from shared.verbatim import db_safe, db_safe_text, dumps_exact, overlay_exact
+from shared.verbatim import db_safe, db_safe_text, dumps_exact, dumps_keys, overlay_exact
 
 __all__ = [
     "add_reward",
@@ -96,7 +95,7 @@ def dumps_json(value: Any) -> str:
     if type(value) is Encoded:
         return value.text.decode()
     try:
-        return orjson.dumps(value, option=orjson.OPT_NON_STR_KEYS).decode()
+        return dumps_keys(value).decode()
     except TypeError:
         return json.dumps(value)
 
@@ -227,7 +226,7 @@ class _Statements:
 
     def __init__(self, dialect: Dialect) -> None:
         columns = Call.__table__.c
-        processors = (columns[name].type.dialect_impl(dialect).bind_processor(dialect) for name in _INSERT_COLUMNS)
+        processors = (_fast_processor(columns[name].type.dialect_impl(dialect), dialect) for name in _INSERT_COLUMNS)
         self.processors = tuple((index, process) for index, process in enumerate(processors) if process is not None)
         quote = dialect.identifier_preparer.quote
         calls, attempts = quote(Call.__tablename__), quote(Attempt.__tablename__)
@@ -246,6 +245,23 @@ class _Statements:
             self.insert = f"INSERT INTO {calls} ({names}) VALUES ({values}) ON CONFLICT ({target}) DO NOTHING"
         self.count = (f"UPDATE {attempts} SET num_calls = num_calls + {_placeholder(dialect, 0)} "
                       f"WHERE rollout_id = {_placeholder(dialect, 1)} AND attempt_id = {_placeholder(dialect, 2)}")
+
+
+# SQLite's DATETIME text as SQLAlchemy writes it by default (`sqlite.DATETIME._storage_format`).
+_SQLITE_DATETIME_FORMAT = "%(year)04d-%(month)02d-%(day)02d %(hour)02d:%(minute)02d:%(second)02d.%(microsecond)06d"
+
+
+def _sqlite_datetime(value: datetime | None) -> str | None:
+    """SQLAlchemy's SQLite DATETIME text, made in C (`isoformat`) rather than by %-formatting seven
+    fields: a third of the bind processors' cost per record. Its time zone is dropped, as there."""
+    return None if value is None else value.isoformat(" ", "microseconds")[:26]
+
+
+def _fast_processor(impl: Any, dialect: Dialect) -> Any:
+    """A column's bind processor: Core's own, or the same text made faster (`_sqlite_datetime`)."""
+    if isinstance(impl, sqlite.DATETIME) and impl._storage_format == _SQLITE_DATETIME_FORMAT:
+        return _sqlite_datetime
+    return impl.bind_processor(dialect)
 
 
 def _placeholder(dialect: Dialect, index: int) -> str:

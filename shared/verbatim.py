@@ -30,6 +30,7 @@ __all__ = [
     "MAX_DEPTH",
     "depth_of",
     "dumps_exact",
+    "dumps_keys",
     "loads_exact",
     "overlay_exact",
 ]
@@ -140,6 +141,15 @@ def depth_of(value: Any) -> int:
     return deepest
 
 
+def dumps_keys(value: Any) -> bytes:
+    """orjson's encoding of `value`, keys that are not strings written as strings. Parsed JSON has only
+    string keys: its encoding is tried first without the option, which costs a third more on a 2 KB answer."""
+    try:
+        return orjson.dumps(value)
+    except TypeError:
+        return orjson.dumps(value, option=orjson.OPT_NON_STR_KEYS)
+
+
 def db_safe_text(value: str | None, max_len: int | None = None) -> str | None:
     """A string column's copy: storable on both databases and within the column's length."""
     if value is None:
@@ -159,7 +169,7 @@ def db_safe(value: Any) -> tuple[Any, bool, bytes | None]:
     if value is None:
         return None, False, None
     try:
-        text = orjson.dumps(value, option=orjson.OPT_NON_STR_KEYS)
+        text = dumps_keys(value)
     except (TypeError, orjson.JSONEncodeError):
         walked = _walk(value)  # surrogates, wide numbers, or only nesting orjson will not write
         return walked, walked != value, None

@@ -12,6 +12,7 @@ import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 
+import orjson
 import pytest
 from sqlalchemy import Engine, create_engine, text
 
@@ -151,3 +152,47 @@ def test_two_postgresql_writers_race_on_the_same_attempts(db_url: str) -> None:
 
     asyncio.run(main())
     _check(db_url, batches)
+
+
+def test_times_are_stored_as_core_would_store_them(engine: Engine, db_url: str) -> None:
+    """The writer makes SQLite's DATETIME text itself (`isoformat`, not Core's %-formatting): the text
+    must be Core's to the character (readers compare and sort it), and every time reads back as written."""
+    from sqlalchemy.dialects import sqlite
+
+    times = [datetime(2026, 12, 8, 1, 2, 3, tzinfo=UTC), datetime(5, 1, 1, tzinfo=UTC),
+             datetime(2026, 1, 1, 23, 59, 59, 999_999, tzinfo=UTC), datetime(2026, 6, 30, 12, 0, 0, 1, tzinfo=UTC)]
+    records = _records([("times", str(i)) for i in range(len(times))])
+    for record, at in zip(records, times, strict=True):
+        record.started_at = record.ended_at = at
+        record.first_byte_at = at if at.microsecond else None
+    _write(engine, records, SeqCounters())
+    reader = create_engine(sync_url(db_url))
+    try:
+        with reader.connect() as conn:
+            stored = {row[0]: row[1:] for row in conn.execute(
+                text("SELECT call_id, started_at, ended_at, first_byte_at FROM calls"))}
+    finally:
+        reader.dispose()
+    core = sqlite.DATETIME().bind_processor(sqlite.dialect())
+    for record in records:
+        started, ended, first = stored[record.call_id]
+        if db_url.startswith("sqlite"):
+            assert (started, ended, first) == (core(record.started_at), core(record.ended_at), core(record.first_byte_at))
+        else:
+            assert started.replace(tzinfo=UTC) == record.started_at and ended.replace(tzinfo=UTC) == record.ended_at
+            assert (first is None) == (record.first_byte_at is None)
+
+
+def test_a_json_value_with_keys_that_are_not_text_is_stored(engine: Engine, db_url: str) -> None:
+    """Parsed JSON has only string keys, so the writer encodes without orjson's option for others; a value
+    made elsewhere with an int key must still be stored, the key as text."""
+    records = _records([("keys", "0")])
+    records[0].error = {1: "one", "message": "x"}
+    _write(engine, records, SeqCounters())
+    reader = create_engine(sync_url(db_url))
+    try:
+        with reader.connect() as conn:
+            error = conn.execute(text("SELECT error FROM calls")).scalar_one()
+    finally:
+        reader.dispose()
+    assert (orjson.loads(error) if isinstance(error, str) else error) == {"1": "one", "message": "x"}
