@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from concurrent.futures import ThreadPoolExecutor
@@ -364,9 +365,15 @@ def test_a_full_push_reaches_every_api_server_of_a_replica(api_servers_replica: 
             WeightPusher(proxy.url, "t") as pusher, ThreadPoolExecutor(8) as pool:
 
         def spread(name: str) -> None:
-            # Until both API servers have answered (each connection goes to one of them), at most 6 waves.
+            # Until both API servers have answered, at most 12 waves. Each connection goes to one of them
+            # (whichever process accepts it first), and the proxy keeps its connections: once a round's were
+            # all taken by one API server (CI, once), only new ones can reach the other. So from the fourth
+            # wave on, each waits out the API servers' keep-alive (5 s) first: they close the proxy's idle
+            # connections, and the wave opens new ones.
             offset, answers, versions = api_servers_replica.log_size(), set(), set()
-            for wave in range(6):
+            for wave in range(12):
+                if wave >= 3:
+                    time.sleep(6)
                 calls = list(pool.map(_greedy, [proxy.url] * 8, [f"{name}-{wave}-{i}" for i in range(8)]))
                 answers |= {text for text, _ in calls}
                 versions |= {call["policy_version"] for _, call in calls}
